@@ -1,0 +1,202 @@
+"""`launch(fn, world_size, backend)`: run one SPMD program on every rank.
+
+- backend="sim" (default): one thread per rank in this process (`SimWorld`).
+- backend="gloo": spawns `world_size` local processes joined by torch.distributed's gloo
+  backend (for tests, and for users without torchrun). `fn` must be importable (defined
+  at module level) because the processes are started with `spawn`.
+- backend="torch": this process is one rank of a torchrun job; initialises
+  torch.distributed from torchrun's environment (NCCL when CUDA is available, else gloo).
+
+Every backend returns a `LaunchResult` with the per-rank return values (rank order) and
+the ledger of every rank. If a rank raises, `launch` raises: `DeadlockError` and
+`CollectiveMismatchError` as they are (their message names every rank), anything else as
+`RankFailedError` naming the rank, with the rank's traceback in the message and the
+original exception as `__cause__`. No rank thread or process is left running.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+from .errors import CollectiveError, DeadlockError, RankFailedError
+from .ledger import Ledger
+from .sim_group import WORLD_KEY, SimProcessGroup
+from .sim_world import SimWorld
+
+BACKENDS = ("sim", "gloo", "torch")
+
+
+@dataclass
+class LaunchResult:
+    values: list
+    ledger: Ledger
+    backend: str
+    world_size: int
+
+
+def launch(fn, world_size: int | None = None, backend: str = "sim", *, args=(), kwargs=None,
+           timeout: float = 300.0) -> LaunchResult:
+    kwargs = kwargs or {}
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "torch":
+        return _launch_torchrun(fn, world_size, args, kwargs, timeout)
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if backend == "sim":
+        return _launch_sim(fn, world_size, args, kwargs)
+    return _launch_gloo(fn, world_size, args, kwargs, timeout)
+
+
+def _failure(rank: int, exc: BaseException, tb: str) -> BaseException:
+    if isinstance(exc, CollectiveError):
+        err = type(exc)(str(exc))
+    else:
+        err = RankFailedError(rank, f"rank {rank} raised {type(exc).__name__}: {exc}\n\n"
+                                    f"traceback of rank {rank}:\n{tb}")
+    return err
+
+
+# -- simulated ----------------------------------------------------------------------------
+def _launch_sim(fn, n, args, kwargs) -> LaunchResult:
+    world = SimWorld(n)
+    values = [None] * n
+    errors: list = [None] * n
+
+    def body(r: int) -> None:
+        exc = None
+        try:
+            values[r] = fn(SimProcessGroup(world, WORLD_KEY, range(n), r), *args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - reported by launch
+            exc = e
+            errors[r] = (e, traceback.format_exc())
+        finally:
+            world.rank_finished(r, exc)
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"sim-rank-{r}", daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if world.deadlock is not None:
+        first = next(e for e, _ in filter(None, errors))
+        raise DeadlockError(world.deadlock) from first
+    if world.failure is not None:
+        r, exc = world.failure
+        raise _failure(r, exc, errors[r][1]) from exc
+    stray = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if stray:  # only RankAbortedError without an original: cannot happen, but never hide it
+        r, (exc, tb) = stray[0]
+        raise _failure(r, exc, tb) from exc
+    return LaunchResult(values, world.ledger, "sim", n)
+
+
+# -- gloo processes -------------------------------------------------------------------------
+def _gloo_worker(fn, rank, n, store, outdir, args, kwargs, timeout):
+    import torch.distributed as dist
+
+    from .torch_backend import TorchProcessGroup
+
+    out = {"rank": rank}
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n,
+                                timeout=datetime.timedelta(seconds=timeout))
+        ledger = Ledger(n)
+        world = TorchProcessGroup(None, range(n), ledger, time.perf_counter())
+        out["value"] = fn(world, *args, **kwargs)
+        out["ledger"] = ledger.per_rank[rank]
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        out["error"] = (e, traceback.format_exc())
+        out["failed_at"] = time.time()  # wall clock: comparable across the processes
+    path = os.path.join(outdir, f"rank{rank}.pkl")
+    try:
+        payload = pickle.dumps(out)
+    except Exception as e:  # an unpicklable return value or exception
+        payload = pickle.dumps({"rank": rank, "error": (RuntimeError(f"cannot pickle the result: {e}"),
+                                                        traceback.format_exc())})
+    with open(path + ".tmp", "wb") as f:
+        f.write(payload)
+    os.replace(path + ".tmp", path)
+    if "error" in out:
+        os._exit(1)  # do not wait in gloo's teardown for ranks that will never come
+
+
+def _launch_gloo(fn, n, args, kwargs, timeout) -> LaunchResult:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="playground-gloo-") as d:
+        store = os.path.join(d, "store")
+        procs = [ctx.Process(target=_gloo_worker, args=(fn, r, n, store, d, args, kwargs, timeout), daemon=True)
+                 for r in range(n)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        failed_at = None
+        while any(p.is_alive() for p in procs):
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                failed_at = time.monotonic()
+            # one rank failed: give the others a moment to report, then stop them
+            if (failed_at is not None and time.monotonic() - failed_at > 2.0) or time.monotonic() > deadline:
+                for p in procs:
+                    if p.is_alive():
+                        p.terminate()
+                break
+            time.sleep(0.02)
+        for p in procs:
+            p.join()
+        results = []
+        for r in range(n):
+            path = os.path.join(d, f"rank{r}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    results.append(pickle.load(f))
+            else:
+                results.append({"rank": r, "error": None, "exitcode": procs[r].exitcode})
+    errs = [res for res in results if res.get("error")]
+    if errs:
+        # the first rank to fail is the cause; the others fail because it left
+        res = min(errs, key=lambda e: e.get("failed_at", float("inf")))
+        exc, tb = res["error"]
+        raise _failure(res["rank"], exc, tb) from exc
+    missing = [res["rank"] for res in results if "value" not in res]
+    if missing:
+        codes = {res["rank"]: res.get("exitcode") for res in results if "value" not in res}
+        raise RankFailedError(missing[0], f"gloo ranks {missing} ended without a result (exit codes {codes}; "
+                                          f"timeout {timeout:.0f} s)")
+    ledger = Ledger.merged(n, [res["ledger"] for res in results])
+    return LaunchResult([res["value"] for res in results], ledger, "gloo", n)
+
+
+# -- torchrun -------------------------------------------------------------------------------
+def _launch_torchrun(fn, world_size, args, kwargs, timeout) -> LaunchResult:
+    import torch
+    import torch.distributed as dist
+
+    from .torch_backend import TorchProcessGroup
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RuntimeError("backend='torch' runs under torchrun (RANK and WORLD_SIZE are not set); "
+                           "use backend='gloo' with world_size=N to spawn local processes")
+    n = int(os.environ["WORLD_SIZE"])
+    if world_size is not None and world_size != n:
+        raise ValueError(f"world_size={world_size} but torchrun started {n} processes")
+    if not dist.is_initialized():
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
+    ledger = Ledger(n)
+    world = TorchProcessGroup(None, range(n), ledger, time.perf_counter())
+    value = fn(world, *args, **kwargs)
+    gathered = [None] * n
+    dist.all_gather_object(gathered, (value, ledger.per_rank[dist.get_rank()]))
+    return LaunchResult([v for v, _ in gathered], Ledger.merged(n, [l for _, l in gathered]), "torch", n)

@@ -1,0 +1,90 @@
+"""`Mesh`: named axes over a group of ranks (like torch's DeviceMesh).
+
+`Mesh(world, pp=2, dp=2, tp=2)` lays the ranks out row-major with the axes outermost
+first, so the last axis varies fastest: rank = ((pp·DP) + dp)·TP + tp. `mesh.group("tp")`
+is the group of ranks that differ only in their tp coordinate; `mesh.group("dp", "cp")`
+those that differ only in dp and cp (group-rank order follows the mesh order). Groups are
+created on first use, every group of the axis set on every rank, in one deterministic
+order, as torch.distributed requires; so every rank must ask for the same axis sets in
+the same order.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+
+class Mesh:
+    def __init__(self, group, **axes: int):
+        if not axes:
+            raise ValueError("Mesh needs at least one axis, e.g. Mesh(world, dp=2, tp=2)")
+        bad = {k: v for k, v in axes.items() if not isinstance(v, int) or v < 1}
+        if bad:
+            raise ValueError(f"Mesh axis sizes must be positive integers, got {bad}")
+        total = math.prod(axes.values())
+        if total != group.size:
+            shape = " × ".join(f"{k}={v}" for k, v in axes.items())
+            raise ValueError(f"Mesh {shape} = {total} ranks, but the group has {group.size} ranks")
+        self.parent = group
+        self.names = tuple(axes)
+        self.shape = dict(axes)
+        self._coords = self.coords_of(group.rank)
+        self._groups: dict = {}
+
+    @property
+    def rank(self) -> int:
+        return self.parent.rank
+
+    def size(self, axis: str | None = None) -> int:
+        return self.parent.size if axis is None else self.shape[self._check(axis)]
+
+    def coord(self, axis: str) -> int:
+        return self._coords[self.names.index(self._check(axis))]
+
+    def coords_of(self, rank: int) -> tuple:
+        out = []
+        for name in reversed(self.names):
+            rank, c = divmod(rank, self.shape[name])
+            out.append(c)
+        return tuple(reversed(out))
+
+    def rank_of(self, **coords: int) -> int:
+        """Group rank at the given coordinates (missing axes: this rank's coordinate)."""
+        return self._rank_at({n: coords.get(n, self.coord(n)) for n in self.names})
+
+    def _check(self, axis: str) -> str:
+        if axis not in self.shape:
+            raise ValueError(f"unknown mesh axis {axis!r}; this mesh has {list(self.names)}")
+        return axis
+
+    def group(self, *axes: str):
+        """The group of ranks that differ from this rank only along `axes`."""
+        if not axes:
+            raise ValueError("mesh.group needs at least one axis")
+        for a in axes:
+            self._check(a)
+        key = tuple(sorted(set(axes), key=self.names.index))
+        if key not in self._groups:
+            self._groups[key] = self._make(key)
+        return self._groups[key]
+
+    def _make(self, axes):
+        others = [n for n in self.names if n not in axes]
+        mine = None
+        for fixed in itertools.product(*(range(self.shape[n]) for n in others)):
+            base = dict(zip(others, fixed))
+            ranks = [self._rank_at({**base, **dict(zip(axes, var))})
+                     for var in itertools.product(*(range(self.shape[a]) for a in axes))]
+            g = self.parent.new_group(ranks)
+            if g is not None:
+                mine = g
+        return mine
+
+    def _rank_at(self, coords) -> int:
+        r = 0
+        for name in self.names:
+            r = r * self.shape[name] + coords[name]
+        return r
+
+    def __repr__(self) -> str:
+        return f"Mesh({', '.join(f'{k}={v}' for k, v in self.shape.items())}; rank {self.rank} at {self._coords})"

@@ -1,0 +1,179 @@
+"""The torch backend: the same `ProcessGroup` API over torch.distributed (NCCL on CUDA,
+gloo on CPU). Ledger entries come from the same formulas as on the simulated backend;
+their start and end are measured (seconds since the launch, host clock; on CUDA the
+device is synchronised when a call is waited, so the time covers the transfer)."""
+from __future__ import annotations
+
+import pickle
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from .ledger import Ledger
+from .process_group import ProcessGroup, Work
+from .reduce_op import ReduceOp
+
+_DIST_OP = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.AVG: dist.ReduceOp.AVG,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+}
+
+
+class TorchWork(Work):
+    def __init__(self, works, calls, origin: float, cuda: bool):
+        self._works, self._calls, self._origin, self._cuda = works, calls, origin, cuda
+        self._done = False
+
+    def wait(self) -> bool:
+        if not self._done:
+            for w in self._works:
+                if w is not None:
+                    w.wait()
+            if self._cuda:
+                torch.cuda.synchronize()
+            end = time.perf_counter() - self._origin
+            for c in self._calls:
+                c.entry.end = end
+                _finish_object(c)
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or all(w is None or w.is_completed() for w in self._works)
+
+
+def _finish_object(call) -> None:
+    if call.op == "broadcast_object":
+        call.result = call.obj[0]
+        call.set_object_size(len(pickle.dumps(call.result)))
+    elif call.op == "all_gather_object":
+        call.result = call.obj
+        call.set_object_size(len(call.obj) * max(len(pickle.dumps(o)) for o in call.obj))
+
+
+class _Joined:
+    """Several torch works waited as one."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+        return True
+
+    def is_completed(self):
+        return all(w.is_completed() for w in self.works)
+
+
+class TorchProcessGroup(ProcessGroup):
+    _zero_copy_views = False
+
+    def __init__(self, pg, ranks, ledger: Ledger, origin: float):
+        self._pg = pg  # torch group handle (None: the default group)
+        self.ranks = tuple(ranks)
+        self.rank = self.ranks.index(dist.get_rank())
+        self.size = len(self.ranks)
+        self._ledger = ledger
+        self._origin = origin
+
+    def _record(self, call) -> None:
+        lst = self._ledger.per_rank[call.rank]
+        lst.append(call.make_entry(len(lst)))
+
+    def _cuda(self, call) -> bool:
+        return any(b is not None and b.device == "cuda" for b in call.bufs.values())
+
+    def _issue(self, call) -> Work:
+        call.entry.start = time.perf_counter() - self._origin
+        work = self._start(call)
+        return TorchWork([work], [call], self._origin, self._cuda(call))
+
+    def _issue_batch(self, calls) -> list:
+        if not calls:
+            return []
+        start = time.perf_counter() - self._origin
+        for c in calls:
+            c.entry.start = start
+        ops = [dist.P2POp(dist.isend if c.op == "send" else dist.irecv, c.bufs["tensor"].obj,
+                          self.ranks[c.root], self._pg) for c in calls]
+        works = dist.batch_isend_irecv(ops)
+        shared = TorchWork(works, calls, self._origin, any(self._cuda(c) for c in calls))
+        return [shared] * len(calls)
+
+    def _start(self, call):
+        g, op = self._pg, call.op
+        t = {k: (b.obj if b is not None else None) for k, b in call.bufs.items()}
+        rop = _DIST_OP.get(call.reduce_op)
+        root = None if call.root is None else self.ranks[call.root]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # all_gather_into_tensor's rename in 2.13
+            if op == "all_reduce":
+                return dist.all_reduce(t["tensor"], op=rop, group=g, async_op=True)
+            if op == "reduce":
+                return dist.reduce(t["tensor"], dst=root, op=rop, group=g, async_op=True)
+            if op == "broadcast":
+                return dist.broadcast(t["tensor"], src=root, group=g, async_op=True)
+            if op == "all_gather":
+                return dist.all_gather_into_tensor(t["out"].view(-1), t["inp"].reshape(-1), group=g, async_op=True)
+            if op == "reduce_scatter":
+                return dist.reduce_scatter_tensor(t["out"].view(-1), t["inp"].view(-1), op=rop, group=g, async_op=True)
+            if op == "all_to_all":
+                if g is not None and dist.get_backend(g) == "gloo":
+                    return self._all_to_all_p2p(call, t["out"], t["inp"])
+                return dist.all_to_all_single(t["out"], t["inp"], list(call.out_splits), list(call.in_splits),
+                                              group=g, async_op=True)
+            if op == "scatter":
+                chunks = None
+                if call.pos == call.root:
+                    chunks = list(t["inp"].view(self.size, -1).unbind(0))
+                    chunks = [c.view(t["out"].shape) for c in chunks]
+                return dist.scatter(t["out"], chunks, src=root, group=g, async_op=True)
+            if op == "gather":
+                chunks = None
+                if call.pos == call.root:
+                    chunks = [c.view(t["inp"].shape) for c in t["out"].view(self.size, -1).unbind(0)]
+                return dist.gather(t["inp"].contiguous(), chunks, dst=root, group=g, async_op=True)
+            if op == "send":
+                return dist.isend(t["tensor"], dst=root, group=g)
+            if op == "recv":
+                return dist.irecv(t["tensor"], src=root, group=g)
+            if op == "barrier":
+                return dist.barrier(group=g, async_op=True)
+            if op == "broadcast_object":
+                box = [call.obj]
+                dist.broadcast_object_list(box, src=root, group=g)
+                call.obj = box
+                return None
+            if op == "all_gather_object":
+                out = [None] * self.size
+                dist.all_gather_object(out, call.obj, group=g)
+                call.obj = out
+                return None
+        raise ValueError(f"unknown op {op!r}")
+
+    def _all_to_all_p2p(self, call, out, inp):
+        """Gloo's alltoallv checks a sub-group rank's own chunk lengths at its *global*
+        index (torch 2.13), so on gloo sub-groups the exchange is done point to point."""
+        outs = list(out.split(list(call.out_splits)))
+        ins = list(inp.split(list(call.in_splits)))
+        outs[self.rank].copy_(ins[self.rank])
+        ops = []
+        for j in range(self.size):
+            if j != self.rank:
+                ops.append(dist.P2POp(dist.isend, ins[j].contiguous(), self.ranks[j], self._pg))
+                ops.append(dist.P2POp(dist.irecv, outs[j], self.ranks[j], self._pg))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return _Joined(works)
+
+    def new_group(self, ranks):
+        members = self._members(ranks)
+        pg = dist.new_group(members)
+        if dist.get_rank() not in members:
+            return None
+        return TorchProcessGroup(pg, members, self._ledger, self._origin)
