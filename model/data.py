@@ -1,0 +1,113 @@
+"""Data sources, with no download. Each returns, for a training step, the *global* batch
+(DESIGN.md, Contract 5): `global_batch(step, n_sequences, seq_len)` is a (n, seq_len+1)
+int64 tensor that depends only on (source, seed, step), so every layout sees the same
+tokens; a layout then splits it (DP by rows, the pipeline into microbatches, CP along
+the sequence).
+
+- `MarkovSource`: sequences from a seeded random first-order Markov chain over the
+  vocabulary. Its entropy rate H = -Σ_i π_i Σ_j P_ij log P_ij (π the stationary
+  distribution) is the loss floor: no model can predict the next token better than the
+  chain's own transition probabilities, and a GPT can learn them.
+- `TextSource`: a text file read as bytes (vocabulary 256).
+- `TokenFileSource`: a `.npy` array of token ids, or a `.bin` of uint16 as nanoGPT writes.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+
+class MarkovSource:
+    def __init__(self, vocab_size: int, seed: int = 0, concentration: float = 0.1):
+        self.vocab_size = vocab_size
+        self.seed = seed
+        rng = np.random.default_rng([seed, 0x4D41524B])  # 'MARK'
+        # a sparse-ish Dirichlet row per state: learnable structure, entropy well below log V
+        self.P = rng.dirichlet(np.full(vocab_size, concentration), size=vocab_size)
+        self._cum = np.cumsum(self.P, axis=1)
+        self._cum[:, -1] = 1.0
+        self.stationary = self._stationary()
+
+    def _stationary(self) -> np.ndarray:
+        vals, vecs = np.linalg.eig(self.P.T)
+        pi = np.real(vecs[:, np.argmin(np.abs(vals - 1.0))])
+        pi = np.abs(pi) / np.abs(pi).sum()
+        return pi
+
+    @property
+    def loss_floor(self) -> float:
+        """The entropy rate in nats per token."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            plogp = np.where(self.P > 0, self.P * np.log(self.P), 0.0)
+        return float(-(self.stationary * plogp.sum(axis=1)).sum())
+
+    def describe(self) -> str:
+        return (f"synthetic Markov chain over {self.vocab_size} tokens (seed {self.seed}), "
+                f"entropy rate {self.loss_floor:.4f} nats/token = the loss floor")
+
+    def global_batch(self, step: int, n: int, seq_len: int) -> torch.Tensor:
+        rng = np.random.default_rng([self.seed, step])
+        out = np.empty((n, seq_len + 1), dtype=np.int64)
+        out[:, 0] = np.searchsorted(np.cumsum(self.stationary), rng.random(n) * (1 - 1e-12))
+        u = rng.random((n, seq_len))
+        for t in range(seq_len):
+            rows = self._cum[out[:, t]]
+            out[:, t + 1] = (rows < u[:, t:t + 1]).sum(axis=1)
+        return torch.from_numpy(out)
+
+
+class _WindowSource:
+    """Random windows of seq_len+1 tokens from one long token array."""
+
+    loss_floor = None
+
+    def __init__(self, tokens: np.ndarray, vocab_size: int, seed: int, what: str):
+        if tokens.ndim != 1:
+            raise ValueError(f"{what}: expected a 1-D array of token ids, got shape {tokens.shape}")
+        self.tokens, self.vocab_size, self.seed, self.what = tokens, vocab_size, seed, what
+
+    def describe(self) -> str:
+        return f"{self.what}: {len(self.tokens):,} tokens, vocabulary {self.vocab_size} (no known loss floor)"
+
+    def global_batch(self, step: int, n: int, seq_len: int) -> torch.Tensor:
+        if len(self.tokens) < seq_len + 1:
+            raise ValueError(f"{self.what} has {len(self.tokens)} tokens, fewer than seq_len+1 = {seq_len + 1}")
+        rng = np.random.default_rng([self.seed, step])
+        starts = rng.integers(0, len(self.tokens) - seq_len, size=n)
+        idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
+        return torch.from_numpy(np.asarray(self.tokens[idx], dtype=np.int64))
+
+
+class TextSource(_WindowSource):
+    def __init__(self, path: str, seed: int = 0):
+        data = np.fromfile(path, dtype=np.uint8)
+        super().__init__(data, 256, seed, f"text file {os.path.basename(path)} (bytes)")
+
+
+class TokenFileSource(_WindowSource):
+    def __init__(self, path: str, seed: int = 0, vocab_size: int | None = None):
+        if path.endswith(".npy"):
+            tokens = np.load(path, mmap_mode="r")
+        elif path.endswith(".bin"):
+            tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        else:
+            raise ValueError(f"token file {path!r}: expected .npy or .bin (uint16, nanoGPT)")
+        top = int(tokens.max()) + 1 if len(tokens) else 0
+        if vocab_size is not None and top > vocab_size:
+            raise ValueError(f"token file {path!r} holds token id {top - 1}, outside vocab_size={vocab_size}")
+        super().__init__(tokens, vocab_size or top, seed, f"token file {os.path.basename(path)}")
+
+
+def make_source(data: str | None, vocab_size: int, seed: int):
+    """'markov' (default) or a path: .txt/other -> bytes, .npy/.bin -> token ids."""
+    if data in (None, "markov"):
+        return MarkovSource(vocab_size, seed)
+    if not os.path.exists(data):
+        raise FileNotFoundError(f"--data {data!r}: no such file")
+    if data.endswith((".npy", ".bin")):
+        return TokenFileSource(data, seed, vocab_size)
+    if vocab_size < 256:
+        raise ValueError(f"a text file needs vocab_size >= 256 (bytes), the model has {vocab_size}")
+    return TextSource(data, seed)

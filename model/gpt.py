@@ -1,0 +1,114 @@
+"""The reference GPT (unsharded): a decoder-only transformer in today's style.
+
+RMSNorm (Zhang & Sennrich 2019), rotary position embeddings (Su et al. 2021), causal
+attention through `scaled_dot_product_attention`, a SwiGLU MLP (Shazeer 2020), pre-norm
+residual blocks and an untied LM head. Parameter names are the reference names that
+every strategy maps its shards to (`blocks.3.attn.wq.weight`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import GPTConfig
+from .init import init_full_parameter
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(seq_len: int, head_dim: int, base: float, dtype, device):
+    """cos and sin of the rotary angles, (seq_len, head_dim/2)."""
+    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv)
+    return angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate pairs (x[..., :h/2], x[..., h/2:]) of x (batch, heads, seq, head_dim)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.n_heads, self.head_dim = c.n_heads, c.head_dim
+        self.wq = nn.Linear(c.d_model, c.d_model, bias=False)
+        self.wk = nn.Linear(c.d_model, c.d_model, bias=False)
+        self.wv = nn.Linear(c.d_model, c.d_model, bias=False)
+        self.wo = nn.Linear(c.d_model, c.d_model, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k = apply_rope(q, cos[:s], sin[:s]), apply_rope(k, cos[:s], sin[:s])
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.w_gate = nn.Linear(c.d_model, c.d_ff, bias=False)
+        self.w_up = nn.Linear(c.d_model, c.d_ff, bias=False)
+        self.w_down = nn.Linear(c.d_ff, c.d_model, bias=False)
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(c.d_model, c.norm_eps)
+        self.attn = Attention(c)
+        self.mlp_norm = RMSNorm(c.d_model, c.norm_eps)
+        self.mlp = SwiGLU(c)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig, seed: int = 0, dtype=torch.float32, device="cpu"):
+        super().__init__()
+        self.config = config
+        c = config
+        with torch.device("meta"):
+            self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
+            self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+            self.norm = RMSNorm(c.d_model, c.norm_eps)
+            self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.to_empty(device=device)
+        self.to(dtype)
+        cos, sin = rope_tables(c.seq_len, c.head_dim, c.rope_base, dtype, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if device != "meta":
+            self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        for name, p in self.named_parameters():
+            p.copy_(init_full_parameter(name, p.shape, self.config, seed))
+
+    def forward(self, tokens, targets=None):
+        """Logits (batch, seq, vocab); with targets, the mean cross-entropy over all tokens."""
+        x = self.tok_emb(tokens)
+        for block in self.blocks:
+            x = block(x, self.rope_cos, self.rope_sin)
+        logits = self.lm_head(self.norm(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -1,0 +1,124 @@
+"""`Layout`: how a training run is split over ranks, validated before any work.
+
+world = pp·dp·cp·tp; mesh axes outermost to innermost pp, dp, cp, tp (TP innermost so its
+groups stay inside a node); EP groups are carved out of dp×cp. Global batch =
+dp × microbatches × micro_batch_size sequences (DESIGN.md, Contract 5).
+
+Every check says which numbers disagree and what would fit. Axes whose strategy is not
+built yet are refused with the issue that brings them, never silently ignored.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
+
+# strategy flags that parse and validate but whose implementation lands later
+NOT_BUILT = {
+    "tp": "tensor parallelism (issue 6)",
+    "pp": "pipeline parallelism (issue 7)",
+    "cp": "context parallelism (ring attention / Ulysses)",
+    "ep": "expert parallelism (mixture of experts)",
+    "zero": "ZeRO (issue 5)",
+    "sequence_parallel": "sequence parallelism (issue 6)",
+}
+
+
+class LayoutError(ValueError):
+    """A layout that does not fit the world or the model."""
+
+
+def _divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    micro_batch_size: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step, over all ranks."""
+        return self.dp * self.microbatches * self.micro_batch_size
+
+    def mesh_axes(self) -> dict:
+        return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        axes = " × ".join(f"{k}={v}" for k, v in self.mesh_axes().items() if v > 1) or "1 rank"
+        extra = [f"zero={self.zero}"] if self.zero else []
+        if self.microbatches > 1:
+            extra.append(f"{self.microbatches} microbatches")
+        return f"{axes} (world {self.world})" + (", " + ", ".join(extra) if extra else "")
+
+    @classmethod
+    def from_counts(cls, world: int | None = None, **kw) -> "Layout":
+        """`world` defaults to the product of the axes; axes not given default to 1, except
+        that dp takes what is left when only `world` (and other axes) are given."""
+        given = {k: v for k, v in kw.items() if v is not None}
+        axes = ("dp", "tp", "pp", "cp")
+        for k in axes + ("ep", "microbatches", "virtual_stages", "micro_batch_size"):
+            if k in given and (not isinstance(given[k], int) or given[k] < 1):
+                raise LayoutError(f"--{k.replace('_', '-')} must be a positive integer, got {given[k]!r}")
+        if world is not None and "dp" not in given:
+            rest = math.prod(given.get(k, 1) for k in axes if k != "dp")
+            if world % rest:
+                raise LayoutError(f"world={world} is not divisible by tp·pp·cp = {rest}; "
+                                  f"dp cannot take the rest (worlds that fit: multiples of {rest})")
+            given["dp"] = world // rest
+        layout = cls(**given)
+        if world is not None and layout.world != world:
+            raise LayoutError(f"world={world} but pp·dp·cp·tp = {layout.pp}·{layout.dp}·{layout.cp}·{layout.tp} "
+                              f"= {layout.world}")
+        return layout
+
+    def validate(self, config) -> "Layout":
+        """Raise LayoutError naming the numbers that disagree; return self when it fits."""
+        c = config
+        if self.tp > 1 and c.n_heads % self.tp:
+            raise LayoutError(f"n_heads={c.n_heads} is not divisible by tp={self.tp}; "
+                              f"tp could be one of {_divisors(c.n_heads)}")
+        stages = self.pp * self.virtual_stages
+        if c.n_layers % stages:
+            raise LayoutError(f"n_layers={c.n_layers} is not divisible by pp·virtual_stages = {self.pp}·"
+                              f"{self.virtual_stages} = {stages}; stage counts that fit: {_divisors(c.n_layers)}")
+        if self.cp > 1 and c.seq_len % (2 * self.cp):
+            raise LayoutError(f"seq_len={c.seq_len} is not divisible by 2·cp = {2 * self.cp} (zig-zag halves); "
+                              f"cp could be one of {[d for d in _divisors(c.seq_len // 2)]}")
+        if self.ep > 1 and (self.dp * self.cp) % self.ep:
+            raise LayoutError(f"ep={self.ep} must divide dp·cp = {self.dp * self.cp}")
+        if self.zero not in (0, 1, 2, 3):
+            raise LayoutError(f"zero={self.zero}: choose 0, 1, 2 or 3")
+        if self.schedule not in SCHEDULES:
+            raise LayoutError(f"schedule={self.schedule!r}: choose one of {SCHEDULES}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise LayoutError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved', "
+                              f"got {self.schedule!r}")
+        if self.pp > 1 and self.schedule in ("1f1b", "interleaved", "zb1") and self.microbatches < self.pp:
+            raise LayoutError(f"schedule {self.schedule!r} with pp={self.pp} needs microbatches >= pp, "
+                              f"got {self.microbatches}")
+        if self.sequence_parallel and self.tp == 1:
+            raise LayoutError("sequence_parallel needs tp > 1")
+        for name, what in NOT_BUILT.items():
+            value = getattr(self, name)
+            if value not in (1, 0, False):
+                raise LayoutError(f"{name}={value}: {what} is not built yet; this version trains with dp only")
+        return self

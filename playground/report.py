@@ -1,0 +1,97 @@
+"""Terminal reports of `train` and `check`."""
+from __future__ import annotations
+
+from collectives.ledger import human_bytes
+
+SETUP_LABELS = ("ddp.broadcast",)  # once per run, not per step
+
+
+def table(header, rows) -> str:
+    rows = [[str(c) for c in r] for r in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in rows)) if rows else len(str(h)) for i, h in enumerate(header)]
+    lines = ["  ".join(str(h).rjust(w) if i else str(h).ljust(w) for i, (h, w) in enumerate(zip(header, widths))),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    return "\n".join(lines)
+
+
+def _rank_ranges(ranks) -> str:
+    out, start, prev = [], None, None
+    for r in ranks:
+        if start is None:
+            start = prev = r
+        elif r == prev + 1:
+            prev = r
+        else:
+            out.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = r
+    out.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ",".join(out)
+
+
+def bytes_per_step(ledger, steps: int) -> str:
+    """Per rank and label, calls and bytes per step; ranks with identical rows are merged."""
+    per_rank = ledger.totals("label")
+    by_signature: dict = {}
+    for r, labels in per_rank.items():
+        sig = tuple(sorted((k, t.calls, t.bytes_sent, t.bytes_recv) for k, t in labels.items()))
+        by_signature.setdefault(sig, []).append(r)
+    rows = []
+    for sig, ranks in sorted(by_signature.items(), key=lambda kv: kv[1][0]):
+        for label, calls, sent, recv in sig:
+            per = 1 if label in SETUP_LABELS else steps
+            rows.append([_rank_ranges(ranks), label + (" (setup, once)" if per == 1 else ""),
+                         f"{calls / per:g}", human_bytes(sent / per), human_bytes(recv / per)])
+    return table(["ranks", "label", "calls/step", "sent/step", "received/step"], rows)
+
+
+def train_summary(res) -> str:
+    run, cfg = res.run, res.run.model
+    lines = [
+        f"\nplayground train: {run.layout.describe()}, model {cfg.n_params():,} parameters "
+        f"(d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads), backend {run.backend}, {run.dtype}",
+        f"data: {res.data}",
+        f"global batch: {run.layout.global_batch} sequences × {cfg.seq_len} tokens = {run.tokens_per_step:,} tokens/step "
+        f"(dp {run.layout.dp} × {run.layout.microbatches} microbatches × {run.layout.micro_batch_size} sequences)",
+        "",
+    ]
+    shown = sorted({0, len(res.losses) - 1, *range(0, len(res.losses), max(1, len(res.losses) // 8))})
+    rows = []
+    for i in shown:
+        gap = f"{res.losses[i] - res.loss_floor:+.4f}" if res.loss_floor is not None else "-"
+        rows.append([i + 1, f"{res.losses[i]:.4f}", gap])
+    lines.append(table(["step", "loss", "above floor"], rows))
+    final = res.losses[-1]
+    if res.loss_floor is not None:
+        lines.append(f"\nfinal loss {final:.4f}; floor {res.loss_floor:.4f} (entropy rate of the source): "
+                     f"{final - res.loss_floor:+.4f} above it")
+    else:
+        lines.append(f"\nfinal loss {final:.4f}")
+    lines.append(f"throughput: {res.tokens_per_s:,.0f} tokens/s (median step, wall clock, "
+                 f"{len(res.losses)} steps in {res.wall_s:.1f} s end to end)")
+    lines.append("\ncommunication per rank per step (from the ledger):")
+    lines.append(bytes_per_step(res.ledger, len(res.losses)))
+    return "\n".join(lines)
+
+
+def check_summary(rep, verbose: bool = True) -> str:
+    run = rep.run
+    lines = [f"\nplayground check: {run.layout.describe()} in {run.dtype} against one device in float64, "
+             f"{run.steps} AdamW steps, backend {run.backend}"]
+    rows = []
+    for r in rep.rows:
+        if verbose or not r.ok or r.what == "loss":
+            tol = rep.tolerance[r.what]
+            rows.append([r.what, r.name, f"{r.max_abs:.3e}", f"{r.max_rel:.3e}",
+                         f"{tol:.0e}" if tol is not None else "not judged", "ok" if r.ok else "FAIL"])
+    lines.append(table(["quantity", "tensor", "max abs err", "max rel err", "tolerance", ""], rows))
+    lines.append("(rel: loss and gradients over max |reference|; weights over the reference's own update "
+                 "max |w_k - w_0|)")
+    for p in rep.problems:
+        lines.append(f"PROBLEM: {p}")
+    worst = {w: rep.worst(w) for w in ("loss", "grad", "weight")}
+    verdict = "PASS" if rep.passed else "FAIL"
+    lines.append(f"\n{verdict}: worst relative errors: loss {worst['loss'].max_rel:.2e}, "
+                 f"gradient {worst['grad'].max_rel:.2e} ({worst['grad'].name}), "
+                 f"weight {worst['weight'].max_rel:.2e} ({worst['weight'].name})")
+    return "\n".join(lines)

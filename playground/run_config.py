@@ -1,0 +1,44 @@
+"""`RunConfig`: everything a training run or an equivalence check needs, picklable so
+gloo processes receive it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from model import GPTConfig, preset
+
+from .layout import Layout
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: GPTConfig = field(default_factory=lambda: preset("tiny"))
+    layout: Layout = field(default_factory=Layout)
+    steps: int = 10
+    lr: float = 3e-3
+    betas: tuple = (0.9, 0.95)
+    weight_decay: float = 0.0
+    dtype: str = "float32"  # bfloat16: float32 weights, bf16 compute under autocast
+    seed: int = 0
+    data: str | None = None  # None/"markov", or a path
+    bucket_cap_mb: float = 25.0
+    backend: str = "sim"
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(DTYPES)}")
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+
+    @property
+    def param_dtype(self):
+        """Weights, gradients and optimizer states: bfloat16 runs keep them in float32."""
+        return torch.float32 if self.dtype == "bfloat16" else DTYPES[self.dtype]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.layout.global_batch * self.model.seq_len

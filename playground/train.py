@@ -1,0 +1,108 @@
+"""The training loop: one rank's program (`train_rank`) and the driver (`train`).
+
+Per step: every rank draws the same global batch, takes its data-parallel rows, splits
+them into microbatches of `micro_batch_size` sequences, runs forward/backward on each
+(gradient accumulation under DDP's `no_sync`, the last one synchronises), then AdamW.
+The loss reported is the mean over all tokens of the global batch (each rank's mean,
+averaged over the DP group: one small all-reduce labelled `metrics.loss`).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from collectives import Mesh, ReduceOp, launch
+from ddp import DistributedDataParallel
+from model import GPT
+from model.data import make_source
+
+from .run_config import RunConfig
+from .shards import snapshot, whole_pieces
+
+
+def _device(run: RunConfig) -> str:
+    if run.backend == "torch" and torch.cuda.is_available():
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
+
+
+def train_rank(world, run: RunConfig, collect: bool = False) -> dict:
+    """One rank's program. With `collect`, also returns the pieces of the gradients after
+    the first backward and of the weights after the last step (for the equivalence check)."""
+    layout, cfg = run.layout, run.model
+    mesh = Mesh(world, **layout.mesh_axes())
+    dp = mesh.group("dp")
+    device = _device(run)
+    model = GPT(cfg, seed=run.seed, dtype=run.param_dtype, device=device)
+    ddp = DistributedDataParallel(model, dp, bucket_cap_mb=run.bucket_cap_mb)
+    opt = torch.optim.AdamW(model.parameters(), lr=run.lr, betas=run.betas, weight_decay=run.weight_decay)
+    source = make_source(run.data, cfg.vocab_size, run.seed)
+    pieces = whole_pieces(model)
+    rows = layout.global_batch // layout.dp
+    autocast = (torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16)
+                if run.dtype == "bfloat16" else contextlib.nullcontext())
+    out = {"losses": [], "step_times": []}
+    bar = tqdm(total=run.steps, desc="train", unit="step", disable=not (run.progress and world.rank == 0),
+               dynamic_ncols=True)
+    for step in range(run.steps):
+        t0 = time.perf_counter()
+        batch = source.global_batch(step, layout.global_batch, cfg.seq_len)
+        local = batch[dp.rank * rows:(dp.rank + 1) * rows].to(device)
+        micro = local.split(layout.micro_batch_size)
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for i, mb in enumerate(micro):
+            sync = i == len(micro) - 1
+            with contextlib.nullcontext() if sync else ddp.no_sync():  # forward and backward
+                with autocast:
+                    loss = ddp(mb[:, :-1], mb[:, 1:]) / len(micro)
+                loss.backward()
+            total += loss.detach().double()
+        if collect and step == 0:
+            out["grads"] = snapshot(model, pieces, "grad")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dp.all_reduce(total, op=ReduceOp.AVG, label="metrics.loss")
+        out["losses"].append(total.item())
+        out["step_times"].append(time.perf_counter() - t0)
+        bar.set_postfix(loss=f"{out['losses'][-1]:.4f}",
+                        tok_s=f"{run.tokens_per_step / out['step_times'][-1]:,.0f}")
+        bar.update()
+    bar.close()
+    if collect:
+        out["weights"] = snapshot(model, pieces, "param")
+    return out
+
+
+@dataclass
+class TrainResult:
+    run: RunConfig
+    losses: list
+    step_times: list  # rank 0's wall time per step
+    wall_s: float  # the whole launch
+    ledger: object
+    loss_floor: float | None
+    data: str
+    values: list  # every rank's output
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Global tokens per second of wall time, median step."""
+        ts = sorted(self.step_times)
+        return self.run.tokens_per_step / ts[len(ts) // 2]
+
+
+def train(run: RunConfig, collect: bool = False) -> TrainResult:
+    run.layout.validate(run.model)
+    source = make_source(run.data, run.model.vocab_size, run.seed)
+    t0 = time.perf_counter()
+    if run.backend == "torch":
+        res = launch(train_rank, backend="torch", args=(run, collect))
+    else:
+        res = launch(train_rank, run.layout.world, backend=run.backend, args=(run, collect))
+    wall = time.perf_counter() - t0
+    return TrainResult(run, res.values[0]["losses"], res.values[0]["step_times"], wall, res.ledger,
+                       source.loss_floor, source.describe(), res.values)

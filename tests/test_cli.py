@@ -1,0 +1,41 @@
+"""The `playground` command, end to end in a subprocess."""
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "playground", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_train_prints_loss_floor_and_bytes():
+    p = run("train", "--dp", "2", "--steps", "3", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "playground train: dp=2 (world 2)" in out
+    assert "floor" in out and "tokens/s" in out
+    assert "ddp.bucket0" in out and "metrics.loss" in out
+
+
+def test_check_passes_with_exit_zero_and_prints_every_parameter():
+    p = run("check", "--world", "3", "--microbatches", "2", "--dtype", "float64")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "PASS" in p.stdout and "blocks.1.mlp.w_down.weight" in p.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["train", "--tp", "3"], "n_heads=4 is not divisible by tp=3"),
+    (["check", "--world", "6", "--tp", "4"], "world=6 is not divisible by tp·pp·cp = 4"),
+    (["train", "--hardware", "h100"], "--hardware: hardware profiles"),
+])
+def test_bad_layouts_exit_2_with_a_message(args, message):
+    p = run(*args)
+    assert p.returncode == 2
+    assert message in p.stderr
+
+
+def test_bench_unknown_name():
+    p = run("bench", "nope")
+    assert p.returncode == 2 and "choose one of" in p.stderr

@@ -1,0 +1,44 @@
+"""Data sources: the Markov chain's loss floor, determinism, text and token files."""
+import numpy as np
+import pytest
+import torch
+
+from model.data import MarkovSource, TextSource, TokenFileSource, make_source
+
+
+def test_markov_floor_is_the_chain_own_cross_entropy():
+    src = MarkovSource(64, seed=1)
+    batch = src.global_batch(0, 4000, 64).numpy()
+    nll = -np.log(src.P[batch[:, :-1], batch[:, 1:]]).mean()
+    assert abs(nll - src.loss_floor) < 0.02  # the empirical rate of 256k transitions
+    assert 0.5 < src.loss_floor < np.log(64)
+    assert np.allclose(src.stationary @ src.P, src.stationary)
+
+
+def test_global_batch_depends_only_on_seed_and_step():
+    a, b = MarkovSource(32, seed=2), MarkovSource(32, seed=2)
+    assert torch.equal(a.global_batch(7, 6, 16), b.global_batch(7, 6, 16))
+    assert not torch.equal(a.global_batch(7, 6, 16), a.global_batch(8, 6, 16))
+    assert a.global_batch(0, 6, 16).shape == (6, 17)
+
+
+def test_text_and_token_files(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(256)) * 4)
+    src = make_source(str(text), 256, 0)
+    assert isinstance(src, TextSource) and src.loss_floor is None
+    b = src.global_batch(3, 5, 10)
+    assert b.shape == (5, 11) and ((b[:, 1:] - b[:, :-1]) % 256 == 1).all()  # consecutive bytes
+    ids = np.arange(1000, dtype=np.uint16) % 97
+    ids.tofile(tmp_path / "t.bin")
+    np.save(tmp_path / "t.npy", ids.astype(np.int64))
+    for name in ("t.bin", "t.npy"):
+        s = make_source(str(tmp_path / name), 128, 0)
+        assert isinstance(s, TokenFileSource) and s.vocab_size == 128
+        assert s.global_batch(0, 2, 8).max() < 97
+    with pytest.raises(ValueError, match="outside vocab_size=50"):
+        make_source(str(tmp_path / "t.npy"), 50, 0)
+    with pytest.raises(ValueError, match="needs vocab_size >= 256"):
+        make_source(str(text), 64, 0)
+    with pytest.raises(FileNotFoundError):
+        make_source(str(tmp_path / "missing.txt"), 256, 0)

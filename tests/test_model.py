@@ -1,0 +1,68 @@
+"""The reference GPT: parameter count and FLOPs formulas against counted values,
+deterministic layout-independent initialisation, presets."""
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from model import GPT, PRESETS, init_full_parameter, preset
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_parameter_count_formula(name):
+    cfg = preset(name)
+    model = GPT(cfg, device="meta")  # the GPU presets too, without memory
+    assert sum(p.numel() for p in model.parameters()) == cfg.n_params()
+
+
+@pytest.mark.parametrize("cfg", [preset("tiny"), preset("tiny", d_ff=40, n_layers=3, seq_len=24),
+                                 preset("small", n_layers=1, seq_len=48)])
+def test_flops_formula_matches_counted(cfg):
+    model = GPT(cfg, seed=3)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1))
+    # the math kernel decomposes attention into matmuls the counter sees
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+    assert counter.get_total_flops() == cfg.flops_per_token(training=True) * 2 * cfg.seq_len
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(tokens[:, :-1])
+    assert counter.get_total_flops() == cfg.flops_per_token(training=False) * 2 * cfg.seq_len
+
+
+def test_initialisation_depends_only_on_seed_and_name():
+    cfg = preset("tiny")
+    a, b = GPT(cfg, seed=5, dtype=torch.float64), GPT(cfg, seed=5, dtype=torch.float64)
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
+        assert torch.equal(p, init_full_parameter(n, p.shape, cfg, 5)), n
+    c = GPT(cfg, seed=6, dtype=torch.float64)
+    assert not torch.equal(a.blocks[0].attn.wq.weight, c.blocks[0].attn.wq.weight)
+    # a deeper model shares the parameters of the layers both have
+    deeper = GPT(cfg.with_(n_layers=3), seed=5, dtype=torch.float64)
+    assert torch.equal(deeper.blocks[1].mlp.w_up.weight, a.blocks[1].mlp.w_up.weight)
+    # float32 is the float64 value rounded
+    f32 = GPT(cfg, seed=5)
+    assert torch.equal(f32.lm_head.weight, a.lm_head.weight.float())
+    assert torch.equal(a.norm.weight, torch.ones_like(a.norm.weight))
+    wo = a.blocks[0].attn.wo.weight
+    assert 0.5 < wo.std().item() / (cfg.init_std / (2 * cfg.n_layers) ** 0.5) < 1.5
+
+
+def test_causal_and_shapes():
+    cfg = preset("tiny")
+    model = GPT(cfg, seed=0, dtype=torch.float64)
+    x = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len))
+    logits = model(x)
+    assert logits.shape == (3, cfg.seq_len, cfg.vocab_size)
+    y = x.clone()
+    y[:, -1] = (y[:, -1] + 1) % cfg.vocab_size  # changing the last token changes no earlier logit
+    assert torch.allclose(model(y)[:, :-1], logits[:, :-1])
+    loss = model(x[:, :-1], x[:, 1:])
+    assert abs(loss.item() - torch.log(torch.tensor(float(cfg.vocab_size))).item()) < 0.5
+
+
+def test_config_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="d_model=30 is not divisible by n_heads=4"):
+        preset("tiny", d_model=30)
+    with pytest.raises(ValueError, match="unknown model preset 'huge'"):
+        preset("huge")

@@ -1,0 +1,34 @@
+"""The training loop: the loss falls toward the floor; sim and gloo give the same losses."""
+import torch
+
+from model import preset
+from playground import Layout, RunConfig
+from playground.train import train
+
+
+def test_loss_falls_toward_the_floor():
+    run = RunConfig(model=preset("tiny"), layout=Layout(dp=2, micro_batch_size=8), steps=150, lr=1e-2, progress=False)
+    res = train(run)
+    first, last = res.losses[0], sum(res.losses[-10:]) / 10
+    floor = res.loss_floor
+    assert first - floor > 1.5  # starts near log(64)
+    assert last - floor < 0.35 * (first - floor), (first, last, floor)  # closed most of the gap
+    assert last > floor - 0.05  # and, as it must, never beats the entropy rate by more than noise
+
+
+def test_sim_and_gloo_give_the_same_losses():
+    run = RunConfig(model=preset("tiny"), layout=Layout(dp=2, microbatches=2, micro_batch_size=2), steps=3,
+                    dtype="float64", progress=False)
+    sim = train(run)
+    gloo = train(RunConfig(**{**run.__dict__, "backend": "gloo"}))
+    assert len(sim.losses) == len(gloo.losses) == 3
+    torch.testing.assert_close(torch.tensor(gloo.losses), torch.tensor(sim.losses), rtol=1e-12, atol=0)
+    key = lambda e: (e.op, e.label, e.size, e.bytes_sent)  # noqa: E731
+    assert [key(e) for e in sim.ledger.for_rank(1)] == [key(e) for e in gloo.ledger.for_rank(1)]
+
+
+def test_bfloat16_autocast_trains():
+    run = RunConfig(model=preset("tiny"), layout=Layout(dp=2, micro_batch_size=4), steps=5, dtype="bfloat16",
+                    progress=False)
+    res = train(run)
+    assert res.losses[-1] < res.losses[0]
