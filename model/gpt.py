@@ -85,12 +85,14 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         c = config
-        with torch.device("meta"):
+        # Built on the target device directly: building on meta and moving would run
+        # torch's meta decompositions, whose first use imports torch._dynamo (seconds,
+        # with every rank thread waiting on the import lock).
+        with torch.device(device):
             self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
             self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
             self.norm = RMSNorm(c.d_model, c.norm_eps)
             self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
-        self.to_empty(device=device)
         self.to(dtype)
         cos, sin = rope_tables(c.seq_len, c.head_dim, c.rope_base, dtype, device)
         self.register_buffer("rope_cos", cos, persistent=False)

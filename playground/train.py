@@ -30,9 +30,11 @@ def _device(run: RunConfig) -> str:
     return "cpu"
 
 
-def train_rank(world, run: RunConfig, collect: bool = False) -> dict:
+def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dict:
     """One rank's program. With `collect`, also returns the pieces of the gradients after
-    the first backward and of the weights after the last step (for the equivalence check)."""
+    the first backward and of the weights after the last step (for the equivalence check).
+    `source`: the data source, built once by the driver and shared (read only) by the
+    simulated ranks; built here when None (gloo and torch processes)."""
     layout, cfg = run.layout, run.model
     mesh = Mesh(world, **layout.mesh_axes())
     dp = mesh.group("dp")
@@ -40,7 +42,7 @@ def train_rank(world, run: RunConfig, collect: bool = False) -> dict:
     model = GPT(cfg, seed=run.seed, dtype=run.param_dtype, device=device)
     ddp = DistributedDataParallel(model, dp, bucket_cap_mb=run.bucket_cap_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=run.lr, betas=run.betas, weight_decay=run.weight_decay)
-    source = make_source(run.data, cfg.vocab_size, run.seed)
+    source = source or make_source(run.data, cfg.vocab_size, run.seed)
     pieces = whole_pieces(model)
     rows = layout.global_batch // layout.dp
     autocast = (torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16)
@@ -102,7 +104,8 @@ def train(run: RunConfig, collect: bool = False) -> TrainResult:
     if run.backend == "torch":
         res = launch(train_rank, backend="torch", args=(run, collect))
     else:
-        res = launch(train_rank, run.layout.world, backend=run.backend, args=(run, collect))
+        shared = source if run.backend == "sim" else None  # threads share it; processes build their own
+        res = launch(train_rank, run.layout.world, backend=run.backend, args=(run, collect, shared))
     wall = time.perf_counter() - t0
     return TrainResult(run, res.values[0]["losses"], res.values[0]["step_times"], wall, res.ledger,
                        source.loss_floor, source.describe(), res.values)

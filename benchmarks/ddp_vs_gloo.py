@@ -1,0 +1,172 @@
+"""Benchmark: our DDP on simulated ranks against torch's own DistributedDataParallel on
+gloo processes (issue 3).
+
+GPT with vocab 256, d_model 128, 4 layers, 4 heads, sequence 128 (the `small` preset),
+micro-batch 8 sequences per rank, 8 ranks, 20 steps, float32, same data on both.
+Reported: median step time (rank 0), end-to-end time (from the launch to the results),
+peak memory (max RSS of the process; for gloo the sum over the rank processes and the
+parent), their ratios, and the largest world size each completes on this machine.
+Targets: end to end at most 0.5 of gloo, median step at most 1.0 of gloo, 256 simulated
+ranks complete. Each configuration runs in a fresh subprocess.
+
+    python benchmarks/ddp_vs_gloo.py [--steps 20] [--world 8] [--no-scaling]
+"""
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from benchmarks._common import median, print_table, write_json  # noqa: E402
+
+MICRO_BATCH = 8
+
+
+def _maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _meminfo(key="MemAvailable") -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+# -- the simulated run ----------------------------------------------------------------------
+def one_sim(world: int, steps: int) -> dict:
+    from model import preset
+    from playground import Layout, RunConfig
+    from playground.train import train
+    t0 = time.perf_counter()
+    res = train(RunConfig(model=preset("small"), layout=Layout(dp=world, micro_batch_size=MICRO_BATCH),
+                          steps=steps, progress=False))
+    return {"end_to_end_s": time.perf_counter() - t0, "step_s": res.step_times, "loss": res.losses,
+            "peak_rss_bytes": _maxrss_bytes()}
+
+
+# -- torch DDP on gloo processes ------------------------------------------------------------------
+def _gloo_rank(rank, world, steps, store, outdir):
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from model import GPT, preset
+    from model.data import MarkovSource
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    cfg = preset("small")
+    model = TorchDDP(GPT(cfg, seed=0))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    source = MarkovSource(cfg.vocab_size, 0)
+    times, losses = [], []
+    for step in range(steps):
+        t = time.perf_counter()
+        batch = source.global_batch(step, world * MICRO_BATCH, cfg.seq_len)[rank * MICRO_BATCH:(rank + 1) * MICRO_BATCH]
+        loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.all_reduce(loss.detach(), op=dist.ReduceOp.AVG)
+        times.append(time.perf_counter() - t)
+        losses.append(loss.item())
+    dist.barrier()
+    dist.destroy_process_group()
+    with open(os.path.join(outdir, f"{rank}.json"), "w") as f:
+        json.dump({"step_s": times, "loss": losses, "peak_rss_bytes": _maxrss_bytes()}, f)
+
+
+def one_gloo(world: int, steps: int) -> dict:
+    import torch.multiprocessing as mp
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_gloo_rank, args=(world, steps, os.path.join(d, "store"), d), nprocs=world)
+        ranks = [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(world)]
+    return {"end_to_end_s": time.perf_counter() - t0, "step_s": ranks[0]["step_s"], "loss": ranks[0]["loss"],
+            "peak_rss_bytes": sum(r["peak_rss_bytes"] for r in ranks) + _maxrss_bytes()}
+
+
+def in_subprocess(backend: str, world: int, steps: int, timeout: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", backend, "--world", str(world), "--steps", str(steps)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "why": f"timeout after {timeout:.0f} s"}
+    if p.returncode != 0:
+        return {"ok": False, "why": f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ''}"}
+    return {"ok": True, **json.loads(p.stdout.strip().splitlines()[-1])}
+
+
+def scaling(backend: str, sizes, per_rank_bytes: float, timeout: float) -> list:
+    """Largest world each backend completes (2 steps): sizes whose predicted memory
+    (per-rank bytes from the 8-rank run) exceeds 90% of MemAvailable are not attempted,
+    so the probe never drives the machine into the OOM killer."""
+    rows = []
+    for n in sizes:
+        predicted = per_rank_bytes * n
+        available = _meminfo()
+        if predicted > 0.9 * available:
+            rows.append({"world": n, "ok": False, "why": f"not attempted: predicted {predicted / 2**30:.1f} GiB "
+                                                          f"> 90% of {available / 2**30:.1f} GiB available"})
+            break
+        r = in_subprocess(backend, n, 2, timeout)
+        rows.append({"world": n, **{k: v for k, v in r.items() if k in ("ok", "why", "end_to_end_s", "peak_rss_bytes")}})
+        if not r["ok"]:
+            break
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--one", choices=["sim", "gloo"], help=argparse.SUPPRESS)
+    ap.add_argument("--no-scaling", action="store_true")
+    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ddp_vs_gloo.json"))
+    args = ap.parse_args()
+    if args.one:
+        out = one_sim(args.world, args.steps) if args.one == "sim" else one_gloo(args.world, args.steps)
+        print(json.dumps(out))
+        return
+
+    res = {b: in_subprocess(b, args.world, args.steps, 1800) for b in ("sim", "gloo")}
+    for b, r in res.items():
+        if not r["ok"]:
+            sys.exit(f"{b} run failed: {r['why']}")
+    s, g = res["sim"], res["gloo"]
+    skip = 1  # the first step warms up (allocator, autograd graph)
+    s_step, g_step = median(s["step_s"][skip:]), median(g["step_s"][skip:])
+    rows = [["median step", f"{s_step * 1e3:.0f} ms", f"{g_step * 1e3:.0f} ms", f"{s_step / g_step:.2f}", "<= 1.0"],
+            ["end to end", f"{s['end_to_end_s']:.1f} s", f"{g['end_to_end_s']:.1f} s",
+             f"{s['end_to_end_s'] / g['end_to_end_s']:.2f}", "<= 0.5"],
+            ["peak memory", f"{s['peak_rss_bytes'] / 2**30:.2f} GiB", f"{g['peak_rss_bytes'] / 2**30:.2f} GiB",
+             f"{s['peak_rss_bytes'] / g['peak_rss_bytes']:.2f}", "-"],
+            ["final loss", f"{s['loss'][-1]:.4f}", f"{g['loss'][-1]:.4f}", "", ""]]
+    print_table(f"DDP, small GPT, {args.world} ranks, micro-batch {MICRO_BATCH}, {args.steps} steps: "
+                f"simulated ranks vs torch DDP on gloo processes", ["", "sim", "gloo", "sim / gloo", "target"], rows)
+    scale = {}
+    if not args.no_scaling:
+        for b, sizes in (("sim", [16, 32, 64, 128, 256, 512]), ("gloo", [16, 32, 48, 64, 96])):
+            per_rank = res[b]["peak_rss_bytes"] / args.world
+            scale[b] = scaling(b, sizes, per_rank, 1800)
+        srows = []
+        for b in ("sim", "gloo"):
+            for r in scale[b]:
+                srows.append([b, r["world"], "completed" if r.get("ok") else r["why"],
+                              f"{r['end_to_end_s']:.1f} s" if r.get("ok") else "",
+                              f"{r['peak_rss_bytes'] / 2**30:.2f} GiB" if r.get("ok") else ""])
+        print_table("largest world completed (2 steps each)", ["backend", "world", "result", "time", "peak memory"], srows)
+    write_json(args.json, {"world": args.world, "steps": args.steps, "micro_batch": MICRO_BATCH,
+                           "sim": s, "gloo": g, "median_step_ratio": s_step / g_step,
+                           "end_to_end_ratio": s["end_to_end_s"] / g["end_to_end_s"],
+                           "memory_ratio": s["peak_rss_bytes"] / g["peak_rss_bytes"], "scaling": scale})
+
+
+if __name__ == "__main__":
+    main()
