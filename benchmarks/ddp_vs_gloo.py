@@ -103,22 +103,29 @@ def in_subprocess(backend: str, world: int, steps: int, timeout: float) -> dict:
     return {"ok": True, **json.loads(p.stdout.strip().splitlines()[-1])}
 
 
-def scaling(backend: str, sizes, per_rank_bytes: float, timeout: float) -> list:
-    """Largest world each backend completes (2 steps): sizes whose predicted memory
-    (per-rank bytes from the 8-rank run) exceeds 90% of MemAvailable are not attempted,
-    so the probe never drives the machine into the OOM killer."""
+def scaling(backend: str, sizes, first: tuple, timeout: float) -> list:
+    """Largest world each backend completes (2 steps). A size whose predicted peak memory
+    exceeds 90% of MemAvailable is not attempted, so the probe never drives the machine
+    into the OOM killer: the prediction extends the last completed run by the marginal
+    bytes per rank between the last two completed runs (`first`: (world, bytes) of the
+    main comparison)."""
     rows = []
+    done = [first]
     for n in sizes:
-        predicted = per_rank_bytes * n
+        (n0, b0), (n1, b1) = (done[-2] if len(done) > 1 else (0, 0)), done[-1]
+        marginal = (b1 - b0) / (n1 - n0)
+        predicted = b1 + (n - n1) * marginal
         available = _meminfo()
         if predicted > 0.9 * available:
             rows.append({"world": n, "ok": False, "why": f"not attempted: predicted {predicted / 2**30:.1f} GiB "
                                                           f"> 90% of {available / 2**30:.1f} GiB available"})
             break
         r = in_subprocess(backend, n, 2, timeout)
-        rows.append({"world": n, **{k: v for k, v in r.items() if k in ("ok", "why", "end_to_end_s", "peak_rss_bytes")}})
+        rows.append({"world": n, "predicted_bytes": predicted,
+                     **{k: v for k, v in r.items() if k in ("ok", "why", "end_to_end_s", "peak_rss_bytes")}})
         if not r["ok"]:
             break
+        done.append((n, r["peak_rss_bytes"]))
     return rows
 
 
@@ -128,6 +135,7 @@ def main():
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--one", choices=["sim", "gloo"], help=argparse.SUPPRESS)
     ap.add_argument("--no-scaling", action="store_true")
+    ap.add_argument("--reps", type=int, default=3, help="alternating sim/gloo repetitions (medians reported)")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ddp_vs_gloo.json"))
     args = ap.parse_args()
     if args.one:
@@ -135,26 +143,37 @@ def main():
         print(json.dumps(out))
         return
 
-    res = {b: in_subprocess(b, args.world, args.steps, 1800) for b in ("sim", "gloo")}
-    for b, r in res.items():
-        if not r["ok"]:
-            sys.exit(f"{b} run failed: {r['why']}")
-    s, g = res["sim"], res["gloo"]
+    reps = {"sim": [], "gloo": []}
+    for _ in range(args.reps):  # alternate, so drifts in the machine's speed hit both
+        for b in ("sim", "gloo"):
+            r = in_subprocess(b, args.world, args.steps, 1800)
+            if not r["ok"]:
+                sys.exit(f"{b} run failed: {r['why']}")
+            reps[b].append(r)
     skip = 1  # the first step warms up (allocator, autograd graph)
-    s_step, g_step = median(s["step_s"][skip:]), median(g["step_s"][skip:])
+    summary = {b: {"median_step_s": median(median(r["step_s"][skip:]) for r in rs),
+                   "end_to_end_s": median(r["end_to_end_s"] for r in rs),
+                   "peak_rss_bytes": median(r["peak_rss_bytes"] for r in rs),
+                   "per_rep_median_step_s": [median(r["step_s"][skip:]) for r in rs],
+                   "per_rep_end_to_end_s": [r["end_to_end_s"] for r in rs],
+                   "final_loss": rs[0]["loss"][-1]} for b, rs in reps.items()}
+    s, g = summary["sim"], summary["gloo"]
+    s_step, g_step = s["median_step_s"], g["median_step_s"]
     rows = [["median step", f"{s_step * 1e3:.0f} ms", f"{g_step * 1e3:.0f} ms", f"{s_step / g_step:.2f}", "<= 1.0"],
             ["end to end", f"{s['end_to_end_s']:.1f} s", f"{g['end_to_end_s']:.1f} s",
              f"{s['end_to_end_s'] / g['end_to_end_s']:.2f}", "<= 0.5"],
             ["peak memory", f"{s['peak_rss_bytes'] / 2**30:.2f} GiB", f"{g['peak_rss_bytes'] / 2**30:.2f} GiB",
              f"{s['peak_rss_bytes'] / g['peak_rss_bytes']:.2f}", "-"],
-            ["final loss", f"{s['loss'][-1]:.4f}", f"{g['loss'][-1]:.4f}", "", ""]]
-    print_table(f"DDP, small GPT, {args.world} ranks, micro-batch {MICRO_BATCH}, {args.steps} steps: "
-                f"simulated ranks vs torch DDP on gloo processes", ["", "sim", "gloo", "sim / gloo", "target"], rows)
+            ["final loss", f"{s['final_loss']:.4f}", f"{g['final_loss']:.4f}", "", ""]]
+    print_table(f"DDP, small GPT, {args.world} ranks, micro-batch {MICRO_BATCH}, {args.steps} steps, median of "
+                f"{args.reps} alternating runs: simulated ranks vs torch DDP on gloo processes",
+                ["", "sim", "gloo", "sim / gloo", "target"], rows)
+    print("per run, median step (ms): sim " + ", ".join(f"{x * 1e3:.0f}" for x in s["per_rep_median_step_s"])
+          + "; gloo " + ", ".join(f"{x * 1e3:.0f}" for x in g["per_rep_median_step_s"]))
     scale = {}
     if not args.no_scaling:
-        for b, sizes in (("sim", [16, 32, 64, 128, 256, 512]), ("gloo", [16, 32, 48, 64, 96])):
-            per_rank = res[b]["peak_rss_bytes"] / args.world
-            scale[b] = scaling(b, sizes, per_rank, 1800)
+        for b, sizes in (("sim", [16, 32, 64, 128, 256, 512, 1024]), ("gloo", [16, 32, 48, 64, 96])):
+            scale[b] = scaling(b, sizes, (args.world, summary[b]["peak_rss_bytes"]), 1800)
         srows = []
         for b in ("sim", "gloo"):
             for r in scale[b]:
@@ -162,8 +181,8 @@ def main():
                               f"{r['end_to_end_s']:.1f} s" if r.get("ok") else "",
                               f"{r['peak_rss_bytes'] / 2**30:.2f} GiB" if r.get("ok") else ""])
         print_table("largest world completed (2 steps each)", ["backend", "world", "result", "time", "peak memory"], srows)
-    write_json(args.json, {"world": args.world, "steps": args.steps, "micro_batch": MICRO_BATCH,
-                           "sim": s, "gloo": g, "median_step_ratio": s_step / g_step,
+    write_json(args.json, {"world": args.world, "steps": args.steps, "micro_batch": MICRO_BATCH, "reps": args.reps,
+                           "sim": s, "gloo": g, "runs": reps, "median_step_ratio": s_step / g_step,
                            "end_to_end_ratio": s["end_to_end_s"] / g["end_to_end_s"],
                            "memory_ratio": s["peak_rss_bytes"] / g["peak_rss_bytes"], "scaling": scale})
 

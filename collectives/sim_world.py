@@ -53,8 +53,13 @@ class RankState:
 
 
 class SimWorld:
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, max_running: int | None = None):
         self.size = world_size
+        # At most `max_running` ranks execute between blocking points; a rank gives its
+        # slot back whenever it blocks in a call and takes one again when woken. Bounds
+        # how many ranks hold live activations at once (memory), never causes a deadlock:
+        # a rank holding a slot either returns or blocks, and both free the slot.
+        self.running = threading.Semaphore(max_running) if max_running else None
         self.mutex = threading.Lock()
         self.pending: dict = {}  # (group key, seq) -> Slot
         self.channels: dict = {}  # (group key, src, dst) -> (deque of send Slots, deque of recv Slots)
@@ -148,9 +153,13 @@ class SimWorld:
                 if self.blocked == self.alive:
                     self._declare_deadlock()  # wakes every blocked rank, this one too
         if registered:
+            if self.running is not None:
+                self.running.release()
             state.wake.acquire()
             chain, state.chain = state.chain, None
             self._release_chain(chain)
+            if self.running is not None:
+                self.running.acquire()
             if not slot.done:
                 with self.mutex:
                     self._raise_if_aborted()

@@ -5,9 +5,9 @@ tokens; a layout then splits it (DP by rows, the pipeline into microbatches, CP 
 the sequence).
 
 - `MarkovSource`: sequences from a seeded random first-order Markov chain over the
-  vocabulary. Its entropy rate H = -Σ_i π_i Σ_j P_ij log P_ij (π the stationary
-  distribution) is the loss floor: no model can predict the next token better than the
-  chain's own transition probabilities, and a GPT can learn them.
+  vocabulary, started from its stationary distribution π. Its entropy rate
+  H = -Σ_i π_i Σ_j P_ij log P_ij is the loss floor: no model can predict the next token
+  better than the chain's own transition probabilities, and a GPT can learn them.
 - `TextSource`: a text file read as bytes (vocabulary 256).
 - `TokenFileSource`: a `.npy` array of token ids, or a `.bin` of uint16 as nanoGPT writes.
 """
@@ -20,27 +20,46 @@ import torch
 
 
 class MarkovSource:
-    def __init__(self, vocab_size: int, seed: int = 0, concentration: float = 0.1):
+    """A seeded random first-order Markov chain: state i moves to one of `successors`
+    states (drawn at random) with Dirichlet(concentration) probabilities. Sparse rows keep
+    it small for any vocabulary (50k tokens: 50k × 32 entries, not 50k²)."""
+
+    def __init__(self, vocab_size: int, seed: int = 0, concentration: float = 0.3, successors: int = 32):
         self.vocab_size = vocab_size
         self.seed = seed
+        k = min(successors, vocab_size)
         rng = np.random.default_rng([seed, 0x4D41524B])  # 'MARK'
-        # a sparse-ish Dirichlet row per state: learnable structure, entropy well below log V
-        self.P = rng.dirichlet(np.full(vocab_size, concentration), size=vocab_size)
-        self._cum = np.cumsum(self.P, axis=1)
+        self.next_states = np.stack([rng.choice(vocab_size, size=k, replace=False) for _ in range(vocab_size)]) \
+            if k < vocab_size else np.tile(np.arange(vocab_size), (vocab_size, 1))
+        self.probs = rng.dirichlet(np.full(k, concentration), size=vocab_size)
+        self._cum = np.cumsum(self.probs, axis=1)
         self._cum[:, -1] = 1.0
         self.stationary = self._stationary()
 
-    def _stationary(self) -> np.ndarray:
-        vals, vecs = np.linalg.eig(self.P.T)
-        pi = np.real(vecs[:, np.argmin(np.abs(vals - 1.0))])
-        pi = np.abs(pi) / np.abs(pi).sum()
-        return pi
+    def _stationary(self, tol: float = 1e-14, max_iter: int = 100_000) -> np.ndarray:
+        """π = πP by lazy power iteration (π ← (π + πP)/2 has the same fixed point and
+        converges even for a periodic chain)."""
+        V = self.vocab_size
+        pi = np.full(V, 1.0 / V)
+        flat_next = self.next_states.ravel()
+        for _ in range(max_iter):
+            step = np.bincount(flat_next, weights=(pi[:, None] * self.probs).ravel(), minlength=V)
+            new = 0.5 * (pi + step)
+            if np.abs(new - pi).sum() < tol:
+                return new / new.sum()
+            pi = new
+        raise RuntimeError(f"Markov chain (vocab {V}, seed {self.seed}): stationary distribution did not converge")
+
+    def transition_prob(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """P(next = b | current = a), elementwise."""
+        match = self.next_states[a] == b[..., None]
+        return (self.probs[a] * match).sum(axis=-1)
 
     @property
     def loss_floor(self) -> float:
         """The entropy rate in nats per token."""
         with np.errstate(divide="ignore", invalid="ignore"):
-            plogp = np.where(self.P > 0, self.P * np.log(self.P), 0.0)
+            plogp = np.where(self.probs > 0, self.probs * np.log(self.probs), 0.0)
         return float(-(self.stationary * plogp.sum(axis=1)).sum())
 
     def describe(self) -> str:
@@ -50,11 +69,12 @@ class MarkovSource:
     def global_batch(self, step: int, n: int, seq_len: int) -> torch.Tensor:
         rng = np.random.default_rng([self.seed, step])
         out = np.empty((n, seq_len + 1), dtype=np.int64)
-        out[:, 0] = np.searchsorted(np.cumsum(self.stationary), rng.random(n) * (1 - 1e-12))
+        out[:, 0] = np.minimum(np.searchsorted(np.cumsum(self.stationary), rng.random(n)), self.vocab_size - 1)
         u = rng.random((n, seq_len))
         for t in range(seq_len):
-            rows = self._cum[out[:, t]]
-            out[:, t + 1] = (rows < u[:, t:t + 1]).sum(axis=1)
+            state = out[:, t]
+            choice = (self._cum[state] < u[:, t:t + 1]).sum(axis=1)
+            out[:, t + 1] = self.next_states[state, choice]
         return torch.from_numpy(out)
 
 

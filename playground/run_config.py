@@ -27,6 +27,9 @@ class RunConfig:
     bucket_cap_mb: float = 25.0
     backend: str = "sim"
     progress: bool = True
+    # sim: ranks executing at once between blocking calls; None: twice the CPU count
+    # (more running ranks add no throughput, only live activations; see collectives.launch)
+    max_running: int | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

@@ -9,6 +9,8 @@ averaged over the DP group: one small all-reduce labelled `metrics.loss`).
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -22,6 +24,22 @@ from model.data import make_source
 
 from .run_config import RunConfig
 from .shards import snapshot, whole_pieces
+
+
+class SharedBatches:
+    """A data source shared by the simulated ranks of one process: the global batch of
+    a step is drawn once and handed to every rank (each takes its rows, read only)."""
+
+    def __init__(self, source):
+        self.source = source
+        self.lock = threading.Lock()
+        self.key = self.batch = None
+
+    def global_batch(self, step: int, n: int, seq_len: int):
+        with self.lock:
+            if self.key != (step, n, seq_len):
+                self.key, self.batch = (step, n, seq_len), self.source.global_batch(step, n, seq_len)
+            return self.batch
 
 
 def _device(run: RunConfig) -> str:
@@ -104,8 +122,9 @@ def train(run: RunConfig, collect: bool = False) -> TrainResult:
     if run.backend == "torch":
         res = launch(train_rank, backend="torch", args=(run, collect))
     else:
-        shared = source if run.backend == "sim" else None  # threads share it; processes build their own
-        res = launch(train_rank, run.layout.world, backend=run.backend, args=(run, collect, shared))
+        shared = SharedBatches(source) if run.backend == "sim" else None  # processes build their own
+        extra = {"max_running": run.max_running or 2 * (os.cpu_count() or 1)} if run.backend == "sim" else {}
+        res = launch(train_rank, run.layout.world, backend=run.backend, args=(run, collect, shared), **extra)
     wall = time.perf_counter() - t0
     return TrainResult(run, res.values[0]["losses"], res.values[0]["step_times"], wall, res.ledger,
                        source.loss_floor, source.describe(), res.values)
