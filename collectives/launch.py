@@ -212,7 +212,7 @@ def _launch_torchrun(fn, world_size, args, kwargs, timeout) -> LaunchResult:
                            "use backend='gloo' with world_size=N to spawn local processes")
     n = int(os.environ["WORLD_SIZE"])
     if world_size is not None and world_size != n:
-        raise ValueError(f"world_size={world_size} but torchrun started {n} processes")
+        raise ValueError(f"the layout needs world_size={world_size} ranks but torchrun started {n} processes")
     if not dist.is_initialized():
         cuda = torch.cuda.is_available()
         if cuda:

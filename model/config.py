@@ -63,6 +63,11 @@ PRESETS = {
 }
 
 
+# AdamW peak learning rate per preset: GPT-3's values for its 125M, 350M and 1.3B models
+# (Brown et al. 2020, table 2.1); the tiny CPU models learn fastest at 3e-3.
+DEFAULT_LR = {"tiny": 3e-3, "small": 3e-3, "125m": 6e-4, "350m": 3e-4, "1b": 2e-4}
+
+
 def preset(name: str, **overrides) -> GPTConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")

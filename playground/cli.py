@@ -6,7 +6,7 @@ import os
 import runpy
 import sys
 
-from model import PRESETS, preset
+from model import DEFAULT_LR, PRESETS, preset
 
 from .layout import SCHEDULES, Layout, LayoutError
 from .run_config import DTYPES, RunConfig
@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--virtual-stages", type=int, default=1)
     t = common.add_argument_group("training")
     t.add_argument("--steps", type=int)
-    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--lr", type=float, help="AdamW learning rate (default: the preset's, e.g. 3e-3 tiny, 3e-4 350m)")
     t.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                    help="bfloat16: float32 weights with bf16 autocast compute")
     t.add_argument("--seed", type=int, default=0)
@@ -60,13 +60,17 @@ def run_config(args, default_steps: int) -> RunConfig:
     for flag, what in LATER.items():
         if getattr(args, flag):
             raise LayoutError(f"--{flag}: {what} is not built yet")
+    world = args.world
+    if world is None and args.backend == "torch" and "WORLD_SIZE" in os.environ:
+        world = int(os.environ["WORLD_SIZE"])  # under torchrun the world is its process count
     layout = Layout.from_counts(
-        world=args.world, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
+        world=world, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
         schedule=args.schedule, microbatches=args.microbatches, virtual_stages=args.virtual_stages,
         sequence_parallel=args.sp, micro_batch_size=args.micro_batch_size)
     cfg = preset(args.model)
     layout.validate(cfg)
-    return RunConfig(model=cfg, layout=layout, steps=args.steps or default_steps, lr=args.lr, dtype=args.dtype,
+    lr = args.lr if args.lr is not None else DEFAULT_LR[args.model]
+    return RunConfig(model=cfg, layout=layout, steps=args.steps or default_steps, lr=lr, dtype=args.dtype,
                      seed=args.seed, data=args.data, bucket_cap_mb=args.bucket_mb, backend=args.backend,
                      progress=not args.no_progress)
 
@@ -77,6 +81,18 @@ def _is_rank0(backend: str) -> bool:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        return _main(args)
+    finally:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():  # torchrun: leave NCCL/gloo cleanly
+            import torch
+            cuda = dist.get_backend() == "nccl"
+            dist.barrier(device_ids=[torch.cuda.current_device()] if cuda else None)
+            dist.destroy_process_group()
+
+
+def _main(args) -> int:
     if args.verb == "bench":
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         path = os.path.join(root, "benchmarks", f"{args.name}.py")

@@ -1,18 +1,21 @@
 """Terminal reports of `train` and `check`."""
 from __future__ import annotations
 
-from collectives.ledger import human_bytes
+import re
+
+from collectives.ledger import Totals, human_bytes
 
 SETUP_LABELS = ("ddp.broadcast",)  # once per run, not per step
 
 
-def table(header, rows) -> str:
+def table(header, rows, left: int = 2) -> str:
+    """Columns before `left` are text (left-aligned), the rest numbers (right-aligned)."""
     rows = [[str(c) for c in r] for r in rows]
     widths = [max(len(str(h)), *(len(r[i]) for r in rows)) if rows else len(str(h)) for i, h in enumerate(header)]
-    lines = ["  ".join(str(h).rjust(w) if i else str(h).ljust(w) for i, (h, w) in enumerate(zip(header, widths))),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-    return "\n".join(lines)
+
+    def fmt(cells):
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([fmt([str(h) for h in header]), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows])
 
 
 def _rank_ranges(ranks) -> str:
@@ -29,9 +32,33 @@ def _rank_ranges(ranks) -> str:
     return ",".join(out)
 
 
+def _collapse(labels: dict) -> dict:
+    """Merge numbered labels of one family (ddp.bucket0, ddp.bucket1, ...) into one row
+    `ddp.bucket* (N)`."""
+    out: dict = {}
+    families: dict = {}
+    for label in labels:
+        m = re.fullmatch(r"(.*\D)\d+", label)
+        families.setdefault(m.group(1) if m else label, []).append(label)
+    for family, members in families.items():
+        if len(members) == 1:
+            out[members[0]] = labels[members[0]]
+            continue
+        t = Totals()
+        for name in members:
+            x = labels[name]
+            t.calls += x.calls
+            t.size += x.size
+            t.bytes_sent += x.bytes_sent
+            t.bytes_recv += x.bytes_recv
+        out[f"{family}* ({len(members)})"] = t
+    return out
+
+
 def bytes_per_step(ledger, steps: int) -> str:
-    """Per rank and label, calls and bytes per step; ranks with identical rows are merged."""
-    per_rank = ledger.totals("label")
+    """Per rank and label, calls and bytes per step; numbered labels of one family are
+    merged, and so are ranks with identical rows."""
+    per_rank = {r: _collapse(labels) for r, labels in ledger.totals("label").items()}
     by_signature: dict = {}
     for r, labels in per_rank.items():
         sig = tuple(sorted((k, t.calls, t.bytes_sent, t.bytes_recv) for k, t in labels.items()))
@@ -60,15 +87,17 @@ def train_summary(res) -> str:
     for i in shown:
         gap = f"{res.losses[i] - res.loss_floor:+.4f}" if res.loss_floor is not None else "-"
         rows.append([i + 1, f"{res.losses[i]:.4f}", gap])
-    lines.append(table(["step", "loss", "above floor"], rows))
+    lines.append(table(["step", "loss", "above floor"], rows, left=0))
     final = res.losses[-1]
     if res.loss_floor is not None:
         lines.append(f"\nfinal loss {final:.4f}; floor {res.loss_floor:.4f} (entropy rate of the source): "
                      f"{final - res.loss_floor:+.4f} above it")
     else:
         lines.append(f"\nfinal loss {final:.4f}")
+    tflops = res.tokens_per_s * cfg.flops_per_token() / run.layout.world / 1e12
     lines.append(f"throughput: {res.tokens_per_s:,.0f} tokens/s (median step, wall clock, "
-                 f"{len(res.losses)} steps in {res.wall_s:.1f} s end to end)")
+                 f"{len(res.losses)} steps in {res.wall_s:.1f} s end to end), "
+                 f"{tflops:.3g} model TFLOP/s per rank")
     lines.append("\ncommunication per rank per step (from the ledger):")
     lines.append(bytes_per_step(res.ledger, len(res.losses)))
     return "\n".join(lines)

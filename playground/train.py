@@ -119,8 +119,8 @@ def train(run: RunConfig, collect: bool = False) -> TrainResult:
     run.layout.validate(run.model)
     source = make_source(run.data, run.model.vocab_size, run.seed)
     t0 = time.perf_counter()
-    if run.backend == "torch":
-        res = launch(train_rank, backend="torch", args=(run, collect))
+    if run.backend == "torch":  # this process is one rank: it uses the source it just built
+        res = launch(train_rank, run.layout.world, backend="torch", args=(run, collect, source))
     else:
         shared = SharedBatches(source) if run.backend == "sim" else None  # processes build their own
         extra = {"max_running": run.max_running or 2 * (os.cpu_count() or 1)} if run.backend == "sim" else {}
