@@ -38,7 +38,7 @@ def caller_site() -> Site:
     return Site(f.f_code.co_filename, f.f_lineno)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Call:
     op: str
     pos: int  # rank within the group
@@ -114,7 +114,7 @@ class Call:
             algorithm=algorithm_of(self.op),
             bytes_sent=sent,
             bytes_recv=recv,
-            site=str(self.site),
+            site=self.site,
         )
         return self.entry
 

@@ -27,7 +27,7 @@ class LedgerEntry:
     algorithm: str
     bytes_sent: int
     bytes_recv: int
-    site: str = ""  # file:line of the caller
+    site: object = ""  # file:line of the caller (a call.Site, formatted when read: str(site))
     start: float | None = None  # seconds; filled by the cost model or measured
     end: float | None = None
 
@@ -52,6 +52,7 @@ class LedgerEntry:
         d = asdict(self)
         d["group"] = list(self.group)
         d["shape"] = list(self.shape)
+        d["site"] = str(self.site)
         return d
 
 

@@ -84,7 +84,7 @@ def test_entries_record_group_label_site_and_order():
     assert [e.index for e in e0] == list(range(len(e0)))
     first = e0[0]
     assert first.group == (0, 2) and first.label == "ar-SUM" and first.dtype == "float32"
-    assert first.site.startswith("programs.py:")
+    assert str(first.site).startswith("programs.py:") and first.to_dict()["site"] == str(first.site)
     assert first.shape == (3, 5)
     totals = led.totals("op")[0]
     assert totals["all_reduce"].calls == 6  # five reduce ops and the async one
