@@ -78,6 +78,20 @@ class ProcessGroup(abc.ABC):
     def _buffer(self, t, what: str = "tensor"):
         return as_buffer(t, what, view=self._zero_copy_views)
 
+    def _concatenation(self, op, name, t, part_name, part, root=None):
+        """The buffer `name` that holds `size` parts like `part` concatenated along dim 0
+        (all_gather's and gather's out, reduce_scatter's and scatter's inp), checked."""
+        if t is None:
+            raise ValueError(f"{op}: {name} is required on the {'source' if op == 'scatter' else 'destination'} "
+                             f"rank {root}")
+        b = self._buffer(t, name)
+        _check_contiguous(name, t)
+        if b.numel != self.size * part.numel or b.dtype != part.dtype:
+            raise ValueError(
+                f"{op}: {name} must hold {self.size} × {part_name} ({self.size} × {part.numel} {part.dtype} elements), "
+                f"got {b.numel} {b.dtype} elements ({name} shape {list(b.shape)}, {part_name} shape {list(part.shape)})")
+        return b
+
     def _issue_batch(self, calls) -> list:
         """Start point-to-point calls together (torch overrides: NCCL needs one batch)."""
         return [self._issue(c) for c in calls]
@@ -126,24 +140,16 @@ class ProcessGroup(abc.ABC):
 
     def all_gather(self, out, inp, async_op: bool = False, label: str | None = None):
         """out = concatenation of every rank's inp along dim 0 (group-rank order)."""
-        o, i = self._buffer(out, "out"), self._buffer(inp, "inp")
-        _check_contiguous("out", out)
-        if o.numel != self.size * i.numel or o.dtype != i.dtype:
-            raise ValueError(
-                f"all_gather: out must hold {self.size} × inp ({self.size} × {i.numel} {i.dtype} elements), "
-                f"got {o.numel} {o.dtype} elements (out shape {list(o.shape)}, inp shape {list(i.shape)})")
+        i = self._buffer(inp, "inp")
+        o = self._concatenation("all_gather", "out", out, "inp", i)
         call = self._call("all_gather", label, caller_site(), bufs={"out": o, "inp": i})
         return self._run(call, async_op)
 
     def reduce_scatter(self, out, inp, op: ReduceOp = ReduceOp.SUM, async_op: bool = False, label: str | None = None):
         """inp is the concatenation along dim 0 of `size` chunks; rank r gets the reduction of chunk r."""
-        o, i = self._buffer(out, "out"), self._buffer(inp, "inp")
-        _check_contiguous("inp", inp)
+        o = self._buffer(out, "out")
         _check_contiguous("out", out)
-        if i.numel != self.size * o.numel or o.dtype != i.dtype:
-            raise ValueError(
-                f"reduce_scatter: inp must hold {self.size} × out ({self.size} × {o.numel} {o.dtype} elements), "
-                f"got {i.numel} {i.dtype} elements (inp shape {list(i.shape)}, out shape {list(o.shape)})")
+        i = self._concatenation("reduce_scatter", "inp", inp, "out", o)
         call = self._call("reduce_scatter", label, caller_site(), bufs={"out": o, "inp": i}, reduce_op=op)
         return self._run(call, async_op)
 
@@ -177,34 +183,16 @@ class ProcessGroup(abc.ABC):
         """On src, inp is the concatenation along dim 0 of `size` chunks; rank r receives chunk r into out."""
         _check_rank("src", src, self.size)
         o = self._buffer(out, "out")
-        bufs = {"out": o, "inp": None}
-        if self.rank == src:
-            if inp is None:
-                raise ValueError(f"scatter: inp is required on the source rank {src}")
-            i = self._buffer(inp, "inp")
-            _check_contiguous("inp", inp)
-            if i.numel != self.size * o.numel or i.dtype != o.dtype:
-                raise ValueError(f"scatter: inp must hold {self.size} × out ({self.size} × {o.numel} {o.dtype}), "
-                                 f"got {i.numel} {i.dtype} elements")
-            bufs["inp"] = i
-        call = self._call("scatter", label, caller_site(), bufs=bufs, root=src)
+        i = self._concatenation("scatter", "inp", inp, "out", o, root=src) if self.rank == src else None
+        call = self._call("scatter", label, caller_site(), bufs={"out": o, "inp": i}, root=src)
         return self._run(call, async_op)
 
     def gather(self, out, inp, dst: int = 0, async_op: bool = False, label: str | None = None):
         """On dst, out = concatenation of every rank's inp along dim 0; out may be None elsewhere."""
         _check_rank("dst", dst, self.size)
         i = self._buffer(inp, "inp")
-        bufs = {"out": None, "inp": i}
-        if self.rank == dst:
-            if out is None:
-                raise ValueError(f"gather: out is required on the destination rank {dst}")
-            o = self._buffer(out, "out")
-            _check_contiguous("out", out)
-            if o.numel != self.size * i.numel or o.dtype != i.dtype:
-                raise ValueError(f"gather: out must hold {self.size} × inp ({self.size} × {i.numel} {i.dtype}), "
-                                 f"got {o.numel} {o.dtype} elements")
-            bufs["out"] = o
-        call = self._call("gather", label, caller_site(), bufs=bufs, root=dst)
+        o = self._concatenation("gather", "out", out, "inp", i, root=dst) if self.rank == dst else None
+        call = self._call("gather", label, caller_site(), bufs={"out": o, "inp": i}, root=dst)
         return self._run(call, async_op)
 
     def barrier(self, label: str | None = None):

@@ -132,10 +132,26 @@ def test_argument_errors_name_the_values():
     with pytest.raises(Exception, match=r"in_splits=\[1, 1\] must have 2 non-negative entries summing to dim 0 = 4"):
         launch(bad_splits, 2)
 
-    def cuda_in_sim(world):
-        world.all_reduce(torch.empty(2, device="meta").new_empty(2, device="cpu").to("meta"))
-        return True
-    assert launch(cuda_in_sim, 2).values == [True, True]
+    def scatter_without_inp(world):
+        world.scatter(torch.empty(2), None, src=1)
+    with pytest.raises(Exception, match=r"scatter: inp is required on the source rank 1"):
+        launch(scatter_without_inp, 2)
+
+    def gather_small_out(world):
+        world.gather(torch.empty(5), torch.empty(3), dst=0)
+    with pytest.raises(Exception, match=r"gather: out must hold 2 × inp \(2 × 3 float32 elements\), got 5"):
+        launch(gather_small_out, 2)
+
+    def reduce_scatter_wrong_dtype(world):
+        world.reduce_scatter(torch.empty(2), torch.empty(4, dtype=torch.float64))
+    with pytest.raises(Exception, match=r"reduce_scatter: inp must hold 2 × out \(2 × 2 float32 elements\), "
+                                        r"got 4 float64"):
+        launch(reduce_scatter_wrong_dtype, 2)
+
+    def not_a_tensor(world):
+        world.all_reduce([1.0, 2.0])
+    with pytest.raises(Exception, match=r"tensor must be a torch.Tensor or numpy.ndarray, got list"):
+        launch(not_a_tensor, 2)
 
 
 def test_mesh_coordinates_and_groups():
