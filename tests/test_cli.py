@@ -25,6 +25,13 @@ def test_check_passes_with_exit_zero_and_prints_every_parameter():
     assert "PASS" in p.stdout and "blocks.1.mlp.w_down.weight" in p.stdout
 
 
+def test_check_on_gloo_processes():
+    """The pieces of every gradient and weight come back from the processes and assemble."""
+    p = run("check", "--dp", "2", "--dtype", "float64", "--backend", "gloo")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "PASS" in p.stdout and "backend gloo" in p.stdout
+
+
 @pytest.mark.parametrize("args,message", [
     (["train", "--tp", "3"], "n_heads=4 is not divisible by tp=3"),
     (["check", "--world", "6", "--tp", "4"], "world=6 is not divisible by tp·pp·cp = 4"),
