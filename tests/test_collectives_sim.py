@@ -190,3 +190,26 @@ def test_mesh_groups_work_concurrently():
         mesh.group("dp").all_reduce(x)
         return x.item()
     assert launch(fn, 6).values == [15.0] * 6
+
+
+def test_large_worlds():
+    """1024 ranks reduce correctly, and 256 ranks on a 4-axis mesh reduce within each group."""
+    def fn(world):
+        x = torch.tensor([float(world.rank)], dtype=torch.float64)
+        world.all_reduce(x)
+        mesh = Mesh(world, pp=4, dp=4, cp=4, tp=4) if world.size == 256 else None
+        y = None
+        if mesh is not None:
+            y = torch.tensor([float(world.rank)], dtype=torch.float64)
+            mesh.group("tp").all_reduce(y)
+            mesh.group("dp", "cp").all_reduce(y)
+        return x.item(), None if y is None else y.item()
+    res = launch(fn, 1024)
+    assert all(v == (1024 * 1023 / 2, None) for v in res.values)
+    assert len(res.ledger) == 1024
+    res = launch(fn, 256)
+    for r, (total, y) in enumerate(res.values):
+        assert total == 256 * 255 / 2
+        pp = r // 64
+        # tp then dp×cp: the sum of the 64 ranks sharing this rank's pp coordinate
+        assert y == sum(range(pp * 64, pp * 64 + 64)), r
