@@ -5,11 +5,14 @@ Accelerating Data Parallel Training", VLDB).
 - On wrapping, parameters are broadcast from group rank 0, so every replica starts equal.
 - Parameters are packed into buckets of at most `bucket_cap_mb`, in reverse order of
   registration (the order backward produces their gradients).
-- A hook fires after each parameter's gradient is accumulated; when a bucket's last
-  gradient is ready, its gradients are copied into one flat buffer and an asynchronous
-  all-reduce (AVG) starts at once, labelled `<label>.bucket<i>`, overlapping the rest of
-  backward. At the end of backward every bucket is waited once and the averaged
-  gradients are copied back.
+- Each bucket owns one flat buffer, and each parameter's `.grad` is a view into it (torch
+  DDP's gradient_as_bucket_view): backward accumulates straight into the bucket. A hook
+  fires after each parameter's gradient is accumulated (a gradient that autograd
+  allocated afresh, after `zero_grad(set_to_none=True)`, is copied in once and replaced
+  by the view); when a bucket's last gradient is ready an asynchronous all-reduce (AVG)
+  of the flat buffer starts at once, labelled `<label>.bucket<i>`, overlapping the rest
+  of backward. At the end of backward every bucket is waited once; the averaged
+  gradients are already in place.
 - `no_sync()` skips the reduction: gradients accumulate locally, and the next backward
   outside it reduces the accumulated sum.
 - Parameters that received no gradient in a backward contribute zeros (like
@@ -29,9 +32,33 @@ class Bucket:
     def __init__(self, index: int, params: list):
         self.index = index
         self.params = params
+        self.offsets = {}
+        n = 0
+        for p in params:
+            self.offsets[p] = n
+            n += p.numel()
+        self.flat = torch.zeros(n, dtype=params[0].dtype, device=params[0].device)
         self.pending = set()
-        self.flat = None
         self.work = None
+
+    def view(self, p):
+        """p's slice of the flat buffer, shaped like p (made on demand: holding no extra
+        reference to it lets autograd accumulate into it in place)."""
+        start = self.offsets[p]
+        return self.flat[start:start + p.numel()].view_as(p)
+
+    def adopt(self, p) -> None:
+        """Make p.grad the bucket view (copying a gradient autograd allocated elsewhere,
+        zeros if the parameter received none)."""
+        g = p.grad
+        if g is not None and g.data_ptr() == self.flat[self.offsets[p]:].data_ptr():
+            return
+        v = self.view(p)
+        if g is None:
+            v.zero_()
+        else:
+            v.copy_(g)
+        p.grad = v
 
 
 class DistributedDataParallel(nn.Module):
@@ -59,7 +86,8 @@ class DistributedDataParallel(nn.Module):
         buckets, current, size = [], [], 0
         for p in params:
             nbytes = p.numel() * p.element_size()
-            if current and size + nbytes > cap_bytes:
+            different = current and (p.dtype != current[0].dtype or p.device != current[0].device)
+            if current and (size + nbytes > cap_bytes or different):
                 buckets.append(Bucket(len(buckets), current))
                 current, size = [], 0
             current.append(p)
@@ -71,7 +99,6 @@ class DistributedDataParallel(nn.Module):
     def _reset(self):
         for b in self.buckets:
             b.pending = set(b.params)
-            b.flat = None
             b.work = None
         self._armed = False
 
@@ -95,28 +122,22 @@ class DistributedDataParallel(nn.Module):
             self._armed = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         b = self._bucket_of[p]
+        b.adopt(p)
         b.pending.discard(p)
         if not b.pending:
             self._launch(b)
 
     def _launch(self, b: Bucket):
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        b.flat = torch.cat([g.reshape(-1) for g in grads])
         b.work = self.group.all_reduce(b.flat, op=ReduceOp.AVG, async_op=True, label=f"{self.label}.bucket{b.index}")
 
     def _finish(self):
-        """End of backward: launch buckets with unused parameters, wait every bucket once,
-        and copy the averaged gradients back."""
+        """End of backward: launch the buckets whose parameters did not all receive a
+        gradient (those contribute zeros), then wait for every bucket once."""
         for b in self.buckets:
             if b.work is None:
+                for p in b.pending:
+                    b.adopt(p)
                 self._launch(b)
         for b in self.buckets:
             b.work.wait()
-            offset = 0
-            for p in b.params:
-                n = p.numel()
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                p.grad.copy_(b.flat[offset:offset + n].view_as(p))
-                offset += n
         self._reset()

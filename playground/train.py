@@ -84,7 +84,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
         if collect and step == 0:
             out["grads"] = snapshot(model, pieces, "grad")
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=False)  # zero in place: the gradients stay views into DDP's buckets
         dp.all_reduce(total, op=ReduceOp.AVG, label="metrics.loss")
         out["losses"].append(total.item())
         out["step_times"].append(time.perf_counter() - t0)

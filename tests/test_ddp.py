@@ -23,19 +23,18 @@ def test_ddp_matches_the_reference(dp, microbatches, dtype):
 
 
 def test_check_fails_on_a_broken_strategy(monkeypatch):
-    """A DDP that sums instead of averaging (a classic bug) must fail the check."""
+    """A DDP that sums gradients instead of averaging them (a classic bug) must fail the check."""
     from collectives import ReduceOp
-    original = DistributedDataParallel._launch
 
     def summing(self, b):
-        original(self, b)
-        b.flat.mul_(self.group.size)  # as if the reduction were a SUM
+        b.work = self.group.all_reduce(b.flat, op=ReduceOp.SUM, async_op=True, label=f"ddp.bucket{b.index}")
 
     monkeypatch.setattr(DistributedDataParallel, "_launch", summing)
     rep = check(RunConfig(model=preset("tiny"), steps=2, dtype="float64", layout=Layout(dp=2, micro_batch_size=2)))
     assert not rep.passed
     assert not rep.worst("grad").ok
-    assert ReduceOp.AVG  # the real DDP averages
+    assert rep.worst("grad").max_rel == pytest.approx(1.0, rel=1e-6)  # every gradient doubled
+    assert not rep.worst("weight").ok  # through AdamW's eps, the weights show it too
 
 
 def _ddp_program(world, bucket_mb, microbatches):
@@ -93,3 +92,22 @@ def test_bucket_all_reduces_start_during_backward():
     launch(program, 2)
     mine = [what for what, r in order if r == 0]
     assert mine.index("ddp.bucket0") < mine.index("emb grad")
+
+
+def test_gradients_are_views_into_the_buckets():
+    """After backward every .grad lives in its bucket's flat buffer, so the all-reduce ran
+    in place; with zero_grad(set_to_none=False) accumulation stays in the bucket too."""
+    def program(world):
+        model = GPT(preset("tiny"), seed=0)
+        ddp = DistributedDataParallel(model, world, bucket_cap_mb=0.02)
+        x = torch.randint(0, 64, (2, 33), generator=torch.Generator().manual_seed(world.rank))
+        for _ in range(2):
+            ddp(x[:, :-1], x[:, 1:]).backward()
+            model.zero_grad(set_to_none=False)
+        ddp(x[:, :-1], x[:, 1:]).backward()
+        inside = all(p.grad.data_ptr() == ddp._bucket_of[p].view(p).data_ptr() for p in model.parameters())
+        return inside, {n: p.grad.clone() for n, p in model.named_parameters()}
+    res = launch(program, 3)
+    assert all(inside for inside, _ in res.values)
+    for _, grads in res.values[1:]:
+        assert all(torch.equal(grads[n], res.values[0][1][n]) for n in grads)
