@@ -1,0 +1,71 @@
+"""Hardware profiles for the cost model (DESIGN.md, Contract 3).
+
+Rates are per GPU. Link bandwidths are per direction. Datasheet values:
+- A100 80GB SXM (NVIDIA A100 Tensor Core GPU datasheet): bf16 dense 312 TFLOP/s, HBM2e
+  2.039 TB/s, 80 GB, NVLink 3 600 GB/s bidirectional = 300 GB/s each way. Network: a
+  DGX A100 node has one 200 Gb/s HDR InfiniBand port per GPU (DGX A100 user guide): 25 GB/s.
+- H100 SXM (NVIDIA H100 Tensor Core GPU datasheet): bf16 dense 989 TFLOP/s (1,979 with
+  sparsity), HBM3 3.35 TB/s, 80 GB, NVLink 4 900 GB/s bidirectional = 450 GB/s each way.
+  Network: DGX H100 has one 400 Gb/s ConnectX-7 port per GPU (DGX H100 user guide): 50 GB/s.
+- H200 SXM (NVIDIA H200 Tensor Core GPU datasheet): the H100's compute and NVLink, HBM3e
+  4.8 TB/s, 141 GB; network as DGX H100 (DGX H200: 400 Gb/s per GPU).
+Not datasheet values (assumptions, override them with a profile file):
+- achievable fractions: 0.80 of peak for matmuls and 0.90 of HBM bandwidth, from this
+  workplace's own H200 measurements (an 8192³ bf16 matmul at 788 TFLOP/s of 989; a
+  device-to-device copy at 4.3 TB/s of 4.8), used for all three parts;
+- latencies α: 2 µs per NVLink step and 5 µs per network step, of the order of NCCL's
+  own tuning model for its Simple protocol.
+A profile file (TOML or JSON) holds the same keys; missing keys are an error.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from dataclasses import asdict, dataclass, fields
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_bf16_flops: float  # dense FLOP/s
+    matmul_fraction: float  # achievable fraction of the peak for matmuls
+    hbm_bandwidth: float  # bytes/s
+    hbm_fraction: float  # achievable fraction of HBM bandwidth
+    hbm_capacity: float  # bytes
+    nvlink_bandwidth: float  # bytes/s per GPU, one direction
+    network_bandwidth: float  # bytes/s per GPU, one direction
+    nvlink_latency: float  # seconds per step (α inside a node)
+    network_latency: float  # seconds per step (α across nodes)
+    gpus_per_node: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+PROFILES = {
+    "a100-80gb": Hardware("a100-80gb", 312e12, 0.80, 2.039e12, 0.90, 80 * GB, 300 * GB, 25 * GB, 2e-6, 5e-6, 8),
+    "h100-sxm": Hardware("h100-sxm", 989e12, 0.80, 3.35e12, 0.90, 80 * GB, 450 * GB, 50 * GB, 2e-6, 5e-6, 8),
+    "h200": Hardware("h200", 989e12, 0.80, 4.8e12, 0.90, 141 * GB, 450 * GB, 50 * GB, 2e-6, 5e-6, 8),
+}
+ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb"}
+
+
+def load_hardware(name_or_path: str) -> Hardware:
+    """A named profile, or a TOML/JSON file with every field of `Hardware`."""
+    key = ALIASES.get(name_or_path, name_or_path)
+    if key in PROFILES:
+        return PROFILES[key]
+    if not os.path.exists(name_or_path):
+        raise ValueError(f"hardware {name_or_path!r}: not a profile ({sorted(PROFILES)}) nor a file")
+    with open(name_or_path, "rb") as f:
+        data = tomllib.load(f) if name_or_path.endswith(".toml") else json.load(f)
+    names = [f.name for f in fields(Hardware)]
+    missing = [n for n in names if n not in data]
+    unknown = sorted(set(data) - set(names))
+    if missing or unknown:
+        raise ValueError(f"hardware file {name_or_path!r}: missing {missing}, unknown {unknown}")
+    return Hardware(**{n: (int(data[n]) if n == "gpus_per_node" else data[n] if n == "name" else float(data[n]))
+                       for n in names})
