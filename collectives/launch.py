@@ -15,6 +15,7 @@ original exception as `__cause__`. No rank thread or process is left running.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -24,7 +25,9 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from .compute_model import ComputeModel
 from .errors import CollectiveError, DeadlockError, RankFailedError
+from .hardware import load_hardware
 from .ledger import Ledger
 from .sim_group import WORLD_KEY, SimProcessGroup
 from .sim_world import SimWorld
@@ -41,7 +44,8 @@ class LaunchResult:
 
 
 def launch(fn, world_size: int | None = None, backend: str = "sim", *, args=(), kwargs=None,
-           timeout: float = 300.0, intra_op_threads: int | None = 1, max_running: int | None = None) -> LaunchResult:
+           timeout: float = 300.0, intra_op_threads: int | None = 1, max_running: int | None = None,
+           hardware=None) -> LaunchResult:
     """Run `fn(world, *args, **kwargs)` on every rank.
 
     `intra_op_threads` (sim only): torch's intra-op thread count while the simulated
@@ -52,6 +56,9 @@ def launch(fn, world_size: int | None = None, backend: str = "sim", *, args=(), 
     `max_running` (sim only): at most this many ranks execute between blocking calls
     (None: all). With hundreds of ranks on a few cores, capping it keeps only that many
     ranks' activations alive at once instead of every rank's.
+    `hardware` (sim only): a `Hardware` profile or its name; then every rank's ops advance
+    its simulated clock (`group.clock`, see clock.py) and every call gets a simulated
+    start and end in the ledger.
     `timeout` (gloo and torch): seconds before a collective that cannot complete fails.
     """
     kwargs = kwargs or {}
@@ -62,15 +69,19 @@ def launch(fn, world_size: int | None = None, backend: str = "sim", *, args=(), 
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if backend == "sim":
+        if isinstance(hardware, str):
+            hardware = load_hardware(hardware)
         if intra_op_threads is None or world_size == 1:
-            return _launch_sim(fn, world_size, args, kwargs, max_running)
+            return _launch_sim(fn, world_size, args, kwargs, max_running, hardware)
         import torch
         previous = torch.get_num_threads()
         torch.set_num_threads(intra_op_threads)
         try:
-            return _launch_sim(fn, world_size, args, kwargs, max_running)
+            return _launch_sim(fn, world_size, args, kwargs, max_running, hardware)
         finally:
             torch.set_num_threads(previous)
+    if hardware is not None:
+        raise ValueError(f"hardware= models time on the simulated backend; backend {backend!r} measures it")
     return _launch_gloo(fn, world_size, args, kwargs, timeout)
 
 
@@ -84,8 +95,8 @@ def _failure(rank: int, exc: BaseException, tb: str) -> BaseException:
 
 
 # -- simulated ----------------------------------------------------------------------------
-def _launch_sim(fn, n, args, kwargs, max_running=None) -> LaunchResult:
-    world = SimWorld(n, max_running)
+def _launch_sim(fn, n, args, kwargs, max_running=None, hardware=None) -> LaunchResult:
+    world = SimWorld(n, max_running, hardware)
     values = [None] * n
     errors: list = [None] * n
 
@@ -94,7 +105,9 @@ def _launch_sim(fn, n, args, kwargs, max_running=None) -> LaunchResult:
         if world.running is not None:
             world.running.acquire()
         try:
-            values[r] = fn(SimProcessGroup(world, WORLD_KEY, range(n), r), *args, **kwargs)
+            timing = ComputeModel(hardware, world.ranks[r].clock) if hardware else contextlib.nullcontext()
+            with timing:
+                values[r] = fn(SimProcessGroup(world, WORLD_KEY, range(n), r), *args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - reported by launch
             exc = e
             errors[r] = (e, traceback.format_exc())

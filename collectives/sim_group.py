@@ -31,6 +31,11 @@ class SimProcessGroup(ProcessGroup):
         self.size = len(self.ranks)
         self._seq = 0  # this rank's number of collectives on this group so far
 
+    @property
+    def clock(self):
+        """This rank's simulated clock (advancing only with a hardware profile)."""
+        return self._world.ranks[self.ranks[self.rank]].clock
+
     def _record(self, call) -> None:
         ledger = self._world.ledger
         ledger.record(call.make_entry(len(ledger.per_rank[call.rank])))

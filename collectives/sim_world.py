@@ -18,6 +18,8 @@ import threading
 from collections import deque
 
 from . import sim_ops
+from .clock import RankClock
+from .cost_model import collective_cost
 from .errors import CollectiveMismatchError, DeadlockError, RankAbortedError
 from .ledger import Ledger
 
@@ -25,7 +27,7 @@ from .ledger import Ledger
 class Slot:
     """One call as all its members see it."""
 
-    __slots__ = ("n", "p2p", "calls", "arrived", "done", "error", "waiters", "where")
+    __slots__ = ("n", "p2p", "calls", "arrived", "done", "error", "waiters", "where", "start", "end")
 
     def __init__(self, n: int, where: str, p2p: bool = False):
         self.n = n
@@ -36,6 +38,7 @@ class Slot:
         self.error = None  # (exception class, message)
         self.waiters = []
         self.where = where
+        self.start = self.end = None  # simulated times, with a hardware profile
 
 
 class RankState:
@@ -48,13 +51,15 @@ class RankState:
         self.wake.acquire()  # released exactly once per wait
         self.group_creations: dict = {}  # ranks tuple -> how many groups of them this rank made
         self.waiting_on = None  # (Slot, Call) while blocked
+        self.clock = RankClock()
         self.chain = None  # ranks this one wakes in turn once it is woken (see SimWorld._complete)
         self.finished = False
 
 
 class SimWorld:
-    def __init__(self, world_size: int, max_running: int | None = None):
+    def __init__(self, world_size: int, max_running: int | None = None, hardware=None):
         self.size = world_size
+        self.hardware = hardware  # a Hardware profile: calls are timed on the rank clocks
         # At most `max_running` ranks execute between blocking points; a rank gives its
         # slot back whenever it blocks in a call and takes one again when woken. Bounds
         # how many ranks hold live activations at once (memory), never causes a deadlock:
@@ -83,8 +88,12 @@ class SimWorld:
             slot.calls[call.pos] = call
             slot.arrived += 1
             ready = slot.arrived == n
+            if self.hardware is not None:
+                call.ready = self.ranks[call.rank].clock.ready(key)
             if ready:
                 del self.pending[(key, seq)]
+                if self.hardware is not None:
+                    self._time(slot, key)
         if ready:
             self._complete(slot, slot.calls)
         return slot
@@ -95,11 +104,15 @@ class SimWorld:
             self._raise_if_aborted()
             sends, recvs = self.channels.setdefault((key, src, dst), (deque(), deque()))
             mine, theirs = (sends, recvs) if call.op == "send" else (recvs, sends)
+            if self.hardware is not None:
+                call.ready = self.ranks[call.rank].clock.ready((key, src, dst))
             if theirs:
                 slot = theirs.popleft()
                 slot.calls[0 if call.op == "send" else 1] = call
                 slot.arrived = 2
                 ready = True
+                if self.hardware is not None:
+                    self._time(slot, (key, src, dst))
             else:
                 slot = Slot(2, f"{call.op} rank {src} -> rank {dst}", p2p=True)
                 slot.calls[0 if call.op == "send" else 1] = call
@@ -109,6 +122,19 @@ class SimWorld:
         if ready:
             self._complete(slot, slot.calls)
         return slot
+
+    def _time(self, slot: Slot, stream) -> None:
+        """Under the mutex, when the last member arrives (so the calls of one group are
+        timed in their program order): start when every member is ready, last the
+        alpha-beta cost, keep every member's stream busy until the end."""
+        calls = slot.calls
+        first = calls[0]
+        slot.start = max(c.ready for c in calls)
+        cost, _ = collective_cost(first.op, first.entry.size, first.group, self.hardware)
+        slot.end = slot.start + cost
+        for c in calls:
+            self.ranks[c.rank].clock.occupy(stream, slot.end)
+            c.entry.start, c.entry.end = slot.start, slot.end
 
     def _complete(self, slot: Slot, calls) -> None:
         try:
@@ -167,6 +193,8 @@ class SimWorld:
         if slot.error is not None:
             cls, msg = slot.error
             raise cls(msg)
+        if slot.end is not None:
+            state.clock.wait(slot.start, slot.end)
 
     def _wake(self, rank: int) -> None:
         """Under the mutex: release a blocked rank (once)."""

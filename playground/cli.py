@@ -11,8 +11,7 @@ from model import DEFAULT_LR, PRESETS, preset
 from .layout import SCHEDULES, Layout, LayoutError
 from .run_config import DTYPES, RunConfig
 
-LATER = {"hardware": "hardware profiles and the simulated clock (issue 4)",
-         "trace": "traces (issue 4)", "plots": "plots (issue 4)"}
+LATER = {"trace": "traces (issue 4)", "plots": "plots (issue 4)"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,10 +40,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--backend", default="sim", choices=["sim", "gloo", "torch"],
                    help="sim: threads in this process; gloo: local processes; torch: under torchrun")
     t.add_argument("--no-progress", action="store_true")
-    o = common.add_argument_group("output (not built yet)")
-    o.add_argument("--hardware")
-    o.add_argument("--trace")
-    o.add_argument("--plots")
+    o = common.add_argument_group("simulated time and output")
+    o.add_argument("--hardware", help="simulate time on a profile: h100-sxm, a100-80gb, h200, or a TOML/JSON file "
+                                      "(sim backend)")
+    o.add_argument("--trace", help="(not built yet)")
+    o.add_argument("--plots", help="(not built yet)")
 
     p = argparse.ArgumentParser(prog="playground", description="Distributed training on simulated ranks.")
     sub = p.add_subparsers(dest="verb", required=True)
@@ -69,10 +69,13 @@ def run_config(args, default_steps: int) -> RunConfig:
         sequence_parallel=args.sp, micro_batch_size=args.micro_batch_size)
     cfg = preset(args.model)
     layout.validate(cfg)
+    if args.hardware:
+        from collectives.hardware import load_hardware
+        load_hardware(args.hardware)  # an unknown profile fails here, before any work
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.model]
     return RunConfig(model=cfg, layout=layout, steps=args.steps or default_steps, lr=lr, dtype=args.dtype,
                      seed=args.seed, data=args.data, bucket_cap_mb=args.bucket_mb, backend=args.backend,
-                     progress=not args.no_progress)
+                     progress=not args.no_progress, hardware=args.hardware)
 
 
 def _is_rank0(backend: str) -> bool:
@@ -106,7 +109,7 @@ def _main(args) -> int:
         return 0
     try:
         run = run_config(args, default_steps=20 if args.verb == "train" else 3)
-    except (LayoutError, ValueError, FileNotFoundError) as e:
+    except (LayoutError, ValueError, FileNotFoundError) as e:  # includes an unknown --hardware
         print(f"playground {args.verb}: {e}", file=sys.stderr)
         return 2
     from .report import check_summary, train_summary

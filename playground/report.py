@@ -98,9 +98,29 @@ def train_summary(res) -> str:
     lines.append(f"throughput: {res.tokens_per_s:,.0f} tokens/s (median step, wall clock, "
                  f"{len(res.losses)} steps in {res.wall_s:.1f} s end to end), "
                  f"{tflops:.3g} model TFLOP/s per rank")
+    if run.hardware:
+        lines.append(simulated_time(res))
     lines.append("\ncommunication per rank per step (from the ledger):")
     lines.append(bytes_per_step(res.ledger, len(res.losses)))
     return "\n".join(lines)
+
+
+def simulated_time(res) -> str:
+    """Median simulated step per rank on the hardware profile, split into compute, exposed
+    communication and idle (waiting for peers); rank 0 and the slowest rank."""
+    def median_step(steps):
+        ordered = sorted(steps, key=lambda b: b["time"])
+        return ordered[len(ordered) // 2]
+    per_rank = [median_step(v["sim_steps"]) for v in res.values]
+    slowest = max(range(len(per_rank)), key=lambda r: per_rank[r]["time"])
+    rows = []
+    for r in sorted({0, slowest}):
+        b = per_rank[r]
+        rows.append([f"rank {r}", f"{b['time'] * 1e3:.3f} ms", f"{b['compute'] * 1e3:.3f} ms",
+                     f"{b['exposed_comm'] * 1e3:.3f} ms", f"{b['idle'] * 1e3:.3f} ms"])
+    tokens = res.run.tokens_per_step / per_rank[slowest]["time"]
+    return (f"\nsimulated on {res.run.hardware} (median step; roofline per op, alpha-beta per collective): "
+            f"{tokens:,.0f} tokens/s\n" + table(["", "step", "compute", "exposed comm", "idle"], rows, left=1))
 
 
 def check_summary(rep, verbose: bool = True) -> str:

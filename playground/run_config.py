@@ -30,12 +30,15 @@ class RunConfig:
     # sim: ranks executing at once between blocking calls; None: twice the CPU count
     # (more running ranks add no throughput, only live activations; see collectives.launch)
     max_running: int | None = None
+    hardware: str | None = None  # sim: a hardware profile name or file; time is then simulated on it
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(DTYPES)}")
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.hardware is not None and self.backend != "sim":
+            raise ValueError(f"--hardware simulates time on the sim backend; backend {self.backend!r} measures it")
 
     @property
     def param_dtype(self):

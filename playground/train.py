@@ -65,11 +65,13 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
     rows = layout.global_batch // layout.dp
     autocast = (torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16)
                 if run.dtype == "bfloat16" else contextlib.nullcontext())
-    out = {"losses": [], "step_times": []}
+    out = {"losses": [], "step_times": [], "sim_steps": []}
+    clock = getattr(world, "clock", None) if run.hardware else None
     bar = tqdm(total=run.steps, desc="train", unit="step", disable=not (run.progress and world.rank == 0),
                dynamic_ncols=True)
     for step in range(run.steps):
         t0 = time.perf_counter()
+        sim0 = clock.breakdown() if clock else None
         batch = source.global_batch(step, layout.global_batch, cfg.seq_len)
         local = batch[dp.rank * rows:(dp.rank + 1) * rows].to(device)
         micro = local.split(layout.micro_batch_size)
@@ -86,6 +88,9 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
         opt.step()
         opt.zero_grad(set_to_none=False)  # zero in place: the gradients stay views into DDP's buckets
         dp.all_reduce(total, op=ReduceOp.AVG, label="metrics.loss")
+        if clock:  # before the report's own all-reduce of the loss
+            sim1 = clock.breakdown()
+            out["sim_steps"].append({k: sim1[k] - sim0[k] for k in sim1})
         out["losses"].append(total.item())
         out["step_times"].append(time.perf_counter() - t0)
         bar.set_postfix(loss=f"{out['losses'][-1]:.4f}",
@@ -123,7 +128,8 @@ def train(run: RunConfig, collect: bool = False) -> TrainResult:
         res = launch(train_rank, run.layout.world, backend="torch", args=(run, collect, source))
     else:
         shared = SharedBatches(source) if run.backend == "sim" else None  # processes build their own
-        extra = {"max_running": run.max_running or 2 * (os.cpu_count() or 1)} if run.backend == "sim" else {}
+        extra = {"max_running": run.max_running or 2 * (os.cpu_count() or 1),
+                 "hardware": run.hardware} if run.backend == "sim" else {}
         res = launch(train_rank, run.layout.world, backend=run.backend, args=(run, collect, shared), **extra)
     wall = time.perf_counter() - t0
     return TrainResult(run, res.values[0]["losses"], res.values[0]["step_times"], wall, res.ledger,

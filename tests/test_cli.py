@@ -35,12 +35,19 @@ def test_check_on_gloo_processes():
 @pytest.mark.parametrize("args,message", [
     (["train", "--tp", "3"], "n_heads=4 is not divisible by tp=3"),
     (["check", "--world", "6", "--tp", "4"], "world=6 is not divisible by tp·pp·cp = 4"),
-    (["train", "--hardware", "h100"], "--hardware: hardware profiles"),
+    (["train", "--hardware", "tpu9"], "hardware 'tpu9': not a profile"),
+    (["train", "--trace", "t.json"], "--trace: traces (issue 4) is not built yet"),
 ])
 def test_bad_layouts_exit_2_with_a_message(args, message):
     p = run(*args)
     assert p.returncode == 2
     assert message in p.stderr
+
+
+def test_train_on_simulated_hardware():
+    p = run("train", "--dp", "2", "--steps", "2", "--no-progress", "--hardware", "h100-sxm")
+    assert p.returncode == 0, p.stderr
+    assert "simulated on h100-sxm" in p.stdout and "exposed comm" in p.stdout
 
 
 def test_bench_unknown_name():

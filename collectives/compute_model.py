@@ -1,0 +1,73 @@
+"""Modelled compute time of the torch ops a simulated rank runs (DESIGN.md, Contract 3).
+
+A `TorchDispatchMode` pushed in the rank's thread (the dispatch-mode stack is
+thread-local, so each rank counts only its own ops, backward included) sees every aten
+op. Each op takes max(FLOPs / (peak · matmul fraction), bytes / (HBM bandwidth · HBM
+fraction)): FLOPs from torch's own flop counter formulas (matmuls, convolutions,
+attention), bytes = its tensor inputs and outputs read and written once; views move
+nothing, and so do allocations that write nothing (empty, empty_like, ...). This is the
+roofline model (Williams, Waterman & Patterson 2009) per op, with
+no kernel fusion: it overestimates chains of elementwise ops that a compiler would fuse.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+from torch.utils.flop_counter import flop_registry
+
+from .clock import RankClock
+from .hardware import Hardware
+
+
+def _shape(x):
+    return x.shape if isinstance(x, torch.Tensor) else x
+
+
+def _nbytes(values) -> int:
+    n = 0
+    for x in values:
+        if isinstance(x, torch.Tensor):
+            n += x.numel() * x.element_size()
+        elif isinstance(x, (list, tuple)):
+            n += _nbytes(x)
+    return n
+
+
+# allocate without reading or writing memory
+_FREE = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided,
+         torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided}
+
+
+class ComputeModel(TorchDispatchMode):
+    def __init__(self, hw: Hardware, clock: RankClock):
+        super().__init__()
+        self.flop_rate = hw.peak_bf16_flops * hw.matmul_fraction
+        self.byte_rate = hw.hbm_bandwidth * hw.hbm_fraction
+        self.clock = clock
+        self.flops = 0
+        self.bytes = 0
+        self._formula: dict = {}  # op -> its FLOP formula, None (bytes only) or False (free)
+
+    def _classify(self, func):
+        packet = func._overloadpacket
+        if func.is_view or packet in _FREE:
+            return False
+        return flop_registry.get(packet)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = self._formula.get(func)
+        if formula is None and func not in self._formula:
+            formula = self._formula[func] = self._classify(func)
+        if formula is False:
+            return out
+        nbytes = _nbytes(args) + _nbytes(kwargs.values()) + _nbytes(out if isinstance(out, (list, tuple)) else (out,))
+        flops = 0
+        if formula is not None:
+            flops = formula(*tree_map(_shape, args), **tree_map(_shape, kwargs), out_val=tree_map(_shape, out))
+        self.flops += flops
+        self.bytes += nbytes
+        self.clock.advance(max(flops / self.flop_rate, nbytes / self.byte_rate))
+        return out

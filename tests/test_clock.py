@@ -1,0 +1,120 @@
+"""The simulated clock (issue 4, item 3): overlap, idle time, point-to-point order, the
+roofline time of an op, and DDP's exposed communication."""
+import pytest
+import torch
+
+from collectives import launch
+from collectives.cost_model import collective_cost
+from collectives.hardware import PROFILES
+from ddp import DistributedDataParallel
+from model import GPT, preset
+
+H100 = PROFILES["h100-sxm"]
+N = 4
+S = 64 * 2**20  # bytes of the all-reduced tensor (meta: counted and timed, never moved)
+COST = collective_cost("all_reduce", S, range(N), H100)[0]
+
+
+def _overlap(world, compute):
+    x = torch.empty(S // 4, device="meta")
+    clock = world.clock
+    t0, e0 = clock.now, clock.exposed
+    w = world.all_reduce(x, async_op=True)
+    clock.advance(compute)
+    w.wait()
+    return clock.now - t0, clock.exposed - e0
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.99, 1.5, 3.0])
+def test_async_all_reduce_overlaps_compute(ratio):
+    compute = COST * ratio
+    res = launch(_overlap, N, args=(compute,), hardware=H100)
+    for elapsed, exposed in res.values:
+        # hidden when shorter than the compute; otherwise it adds exactly the difference
+        assert elapsed == pytest.approx(max(compute, COST), rel=1e-12)
+        assert exposed == pytest.approx(max(0.0, COST - compute), rel=1e-9, abs=1e-15)
+    entries = [res.ledger.for_rank(r)[0] for r in range(N)]
+    assert len({(e.start, e.end) for e in entries}) == 1
+    assert entries[0].end - entries[0].start == pytest.approx(COST)
+
+
+def test_a_collective_starts_when_its_last_member_arrives():
+    def fn(world):
+        world.clock.advance(1e-3 * world.rank)  # rank r arrives r ms late
+        world.all_reduce(torch.empty(S // 4, device="meta"))
+        return world.clock.breakdown()
+    res = launch(fn, N, hardware=H100)
+    last = 1e-3 * (N - 1)
+    for r, b in enumerate(res.values):
+        assert b["time"] == pytest.approx(last + COST)
+        assert b["idle"] == pytest.approx(last - 1e-3 * r, abs=1e-15)
+        assert b["exposed_comm"] == pytest.approx(COST)
+        assert b["time"] == pytest.approx(b["compute"] + b["idle"] + b["exposed_comm"])
+
+
+def test_recv_completes_no_earlier_than_the_send():
+    size = 8 * 2**20
+
+    def fn(world):
+        t = torch.empty(size // 4, device="meta")
+        if world.rank == 0:
+            world.clock.advance(5e-6)
+            world.send(t, 1)
+        else:
+            world.recv(t, 0)
+        return world.clock.now
+    res = launch(fn, 2, hardware=H100)
+    p2p = H100.nvlink_latency + size / H100.nvlink_bandwidth
+    assert res.values == [pytest.approx(5e-6 + p2p), pytest.approx(5e-6 + p2p)]
+    recv = res.ledger.for_rank(1)[0]
+    assert recv.start == pytest.approx(5e-6) and recv.end == pytest.approx(5e-6 + p2p)
+
+
+def test_op_time_is_the_roofline_of_its_flops_and_bytes():
+    def fn(world, m):
+        a, b = torch.randn(m, m), torch.randn(m, m)
+        t0 = world.clock.now
+        a @ b
+        return world.clock.now - t0
+    for m in (64, 2048):
+        got = launch(fn, 1, args=(m,), hardware=H100).values[0]
+        flops, nbytes = 2 * m ** 3, 3 * m * m * 4
+        expect = max(flops / (H100.peak_bf16_flops * H100.matmul_fraction),
+                     nbytes / (H100.hbm_bandwidth * H100.hbm_fraction))
+        assert got == pytest.approx(expect)
+    # m=64 is memory-bound on an H100, m=2048 compute-bound
+    assert 2 * 64 ** 3 / (H100.peak_bf16_flops * 0.8) < 3 * 64 * 64 * 4 / (H100.hbm_bandwidth * 0.9)
+
+
+def test_without_a_profile_nothing_is_timed():
+    def fn(world):
+        world.all_reduce(torch.ones(4))
+        return world.clock.now
+    res = launch(fn, 2)
+    assert res.values == [0.0, 0.0] and res.ledger.for_rank(0)[0].start is None
+
+
+def _ddp_exposed(world, bucket_mb, batch):
+    cfg = preset("small", n_layers=2, seq_len=64)
+    model = GPT(cfg, seed=0)
+    ddp = DistributedDataParallel(model, world, bucket_cap_mb=bucket_mb)
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1))
+    before = world.clock.breakdown()
+    ddp(x[:, :-1], x[:, 1:]).backward()
+    after = world.clock.breakdown()
+    return {k: after[k] - before[k] for k in after}
+
+
+def _exposed(bucket_mb, batch):
+    return launch(_ddp_exposed, 4, args=(bucket_mb, batch), hardware="a100-80gb").values[0]
+
+
+def test_ddp_buckets_hide_communication_behind_backward():
+    """With a backward long enough, buckets reduced during it leave only the last one
+    exposed; with a short backward, many small buckets pay 2(p-1)·α each and lose."""
+    one, five = _exposed(1000.0, 32), _exposed(0.5, 32)
+    assert five["compute"] == pytest.approx(one["compute"])  # same work, different overlap
+    assert five["exposed_comm"] < one["exposed_comm"] / 2
+    assert five["time"] < one["time"]
+    short_one, short_many = _exposed(1000.0, 4), _exposed(0.1, 4)
+    assert short_many["exposed_comm"] > short_one["exposed_comm"]
