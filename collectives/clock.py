@@ -14,7 +14,7 @@ from __future__ import annotations
 
 
 class RankClock:
-    __slots__ = ("now", "streams", "compute", "exposed", "idle")
+    __slots__ = ("now", "streams", "compute", "exposed", "idle", "segments", "_segment_start")
 
     def __init__(self):
         self.now = 0.0  # the compute stream's time
@@ -22,13 +22,21 @@ class RankClock:
         self.compute = 0.0  # seconds of modelled compute
         self.exposed = 0.0  # seconds compute stalled on communication
         self.idle = 0.0  # seconds compute stalled waiting for peers to arrive
+        self.segments: list = []  # (start, end) of the compute between calls, for traces
+        self._segment_start = 0.0
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
         self.compute += seconds
 
+    def _close_segment(self) -> None:
+        if self.now > self._segment_start:
+            self.segments.append((self._segment_start, self.now))
+        self._segment_start = self.now
+
     def ready(self, stream) -> float:
         """When a call issued now can start on `stream`."""
+        self._close_segment()
         return max(self.now, self.streams.get(stream, 0.0))
 
     def occupy(self, stream, end: float) -> None:
@@ -36,12 +44,17 @@ class RankClock:
 
     def wait(self, start: float, end: float) -> None:
         """Compute waits for a call that ran over [start, end]."""
+        self._close_segment()
         if end <= self.now:
             return
         if start > self.now:
             self.idle += start - self.now
         self.exposed += end - max(start, self.now)
-        self.now = end
+        self.now = self._segment_start = end
+
+    def finish(self) -> None:
+        """Close the last compute segment (when the rank's program returns)."""
+        self._close_segment()
 
     def breakdown(self) -> dict:
         return {"time": self.now, "compute": self.compute, "exposed_comm": self.exposed, "idle": self.idle}

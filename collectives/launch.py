@@ -41,6 +41,7 @@ class LaunchResult:
     ledger: Ledger
     backend: str
     world_size: int
+    clocks: list | None = None  # every rank's RankClock, when time was simulated
 
 
 def launch(fn, world_size: int | None = None, backend: str = "sim", *, args=(), kwargs=None,
@@ -108,6 +109,7 @@ def _launch_sim(fn, n, args, kwargs, max_running=None, hardware=None) -> LaunchR
             timing = ComputeModel(hardware, world.ranks[r].clock) if hardware else contextlib.nullcontext()
             with timing:
                 values[r] = fn(SimProcessGroup(world, WORLD_KEY, range(n), r), *args, **kwargs)
+            world.ranks[r].clock.finish()
         except BaseException as e:  # noqa: BLE001 - reported by launch
             exc = e
             errors[r] = (e, traceback.format_exc())
@@ -131,7 +133,8 @@ def _launch_sim(fn, n, args, kwargs, max_running=None, hardware=None) -> LaunchR
     if stray:  # only RankAbortedError without an original: cannot happen, but never hide it
         r, (exc, tb) = stray[0]
         raise _failure(r, exc, tb) from exc
-    return LaunchResult(values, world.ledger, "sim", n)
+    clocks = [st.clock for st in world.ranks] if hardware is not None else None
+    return LaunchResult(values, world.ledger, "sim", n, clocks)
 
 
 # -- gloo processes -------------------------------------------------------------------------

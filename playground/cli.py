@@ -11,7 +11,7 @@ from model import DEFAULT_LR, PRESETS, preset
 from .layout import SCHEDULES, Layout, LayoutError
 from .run_config import DTYPES, RunConfig
 
-LATER = {"trace": "traces (issue 4)", "plots": "plots (issue 4)"}
+LATER = {"plots": "plots (issue 4)"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     o = common.add_argument_group("simulated time and output")
     o.add_argument("--hardware", help="simulate time on a profile: h100-sxm, a100-80gb, h200, or a TOML/JSON file "
                                       "(sim backend)")
-    o.add_argument("--trace", help="(not built yet)")
+    o.add_argument("--trace", help="write a Chrome/Perfetto trace of the simulated time of every rank "
+                                   "(with --hardware; open in ui.perfetto.dev)")
     o.add_argument("--plots", help="(not built yet)")
 
     p = argparse.ArgumentParser(prog="playground", description="Distributed training on simulated ranks.")
@@ -72,6 +73,8 @@ def run_config(args, default_steps: int) -> RunConfig:
     if args.hardware:
         from collectives.hardware import load_hardware
         load_hardware(args.hardware)  # an unknown profile fails here, before any work
+    if args.trace and not args.hardware:
+        raise ValueError("--trace needs --hardware: without a profile there is no simulated time to draw")
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.model]
     return RunConfig(model=cfg, layout=layout, steps=args.steps or default_steps, lr=lr, dtype=args.dtype,
                      seed=args.seed, data=args.data, bucket_cap_mb=args.bucket_mb, backend=args.backend,
@@ -118,6 +121,10 @@ def _main(args) -> int:
         res = train(run)
         if _is_rank0(run.backend):
             print(train_summary(res))
+            if args.trace:
+                from collectives.trace import write_chrome_trace
+                write_chrome_trace(args.trace, res.ledger, res.clocks)
+                print(f"\ntrace: {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
         return 0
     from .check import check
     rep = check(run)

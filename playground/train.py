@@ -112,6 +112,7 @@ class TrainResult:
     loss_floor: float | None
     data: str
     values: list  # every rank's output
+    clocks: list | None = None  # every rank's simulated clock (with --hardware)
 
     @property
     def tokens_per_s(self) -> float:
@@ -133,4 +134,4 @@ def train(run: RunConfig, collect: bool = False) -> TrainResult:
         res = launch(train_rank, run.layout.world, backend=run.backend, args=(run, collect, shared), **extra)
     wall = time.perf_counter() - t0
     return TrainResult(run, res.values[0]["losses"], res.values[0]["step_times"], wall, res.ledger,
-                       source.loss_floor, source.describe(), res.values)
+                       source.loss_floor, source.describe(), res.values, res.clocks)

@@ -1,4 +1,5 @@
 """The `playground` command, end to end in a subprocess."""
+import json
 import subprocess
 import sys
 
@@ -36,7 +37,8 @@ def test_check_on_gloo_processes():
     (["train", "--tp", "3"], "n_heads=4 is not divisible by tp=3"),
     (["check", "--world", "6", "--tp", "4"], "world=6 is not divisible by tp·pp·cp = 4"),
     (["train", "--hardware", "tpu9"], "hardware 'tpu9': not a profile"),
-    (["train", "--trace", "t.json"], "--trace: traces (issue 4) is not built yet"),
+    (["train", "--trace", "t.json"], "--trace needs --hardware"),
+    (["train", "--plots", "d"], "--plots: plots (issue 4) is not built yet"),
 ])
 def test_bad_layouts_exit_2_with_a_message(args, message):
     p = run(*args)
@@ -48,6 +50,20 @@ def test_train_on_simulated_hardware():
     p = run("train", "--dp", "2", "--steps", "2", "--no-progress", "--hardware", "h100-sxm")
     assert p.returncode == 0, p.stderr
     assert "simulated on h100-sxm" in p.stdout and "exposed comm" in p.stdout
+
+
+def test_trace_of_simulated_time(tmp_path):
+    path = tmp_path / "trace.json"
+    p = run("train", "--dp", "3", "--steps", "2", "--no-progress", "--hardware", "a100-80gb", "--trace", str(path))
+    assert p.returncode == 0, p.stderr
+    events = json.loads(path.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1, 2}
+    comm = [e for e in spans if e["tid"] == 1]
+    assert {e["name"] for e in comm} >= {"ddp.bucket0", "metrics.loss", "ddp.broadcast"}
+    for rank in range(3):
+        compute = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if e["pid"] == rank and e["tid"] == 0)
+        assert compute and all(a[1] <= b[0] + 1e-6 for a, b in zip(compute, compute[1:]))  # never overlapping
 
 
 def test_bench_unknown_name():

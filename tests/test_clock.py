@@ -118,3 +118,25 @@ def test_ddp_buckets_hide_communication_behind_backward():
     assert five["time"] < one["time"]
     short_one, short_many = _exposed(1000.0, 4), _exposed(0.1, 4)
     assert short_many["exposed_comm"] > short_one["exposed_comm"]
+
+
+def test_trace_covers_compute_and_every_call():
+    from collectives.trace import chrome_trace
+
+    def fn(world):
+        x = torch.randn(128, 128)
+        for _ in range(3):
+            w = world.all_reduce(x @ x, async_op=True, label="grads")
+            x @ x
+            w.wait()
+    res = launch(fn, 3, hardware=H100)
+    trace = chrome_trace(res.ledger, res.clocks)
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    for r, clock in enumerate(res.clocks):
+        compute = [e for e in spans if e["pid"] == r and e["tid"] == 0]
+        assert sum(e["dur"] for e in compute) == pytest.approx(clock.compute * 1e6)
+        comm = [e for e in spans if e["pid"] == r and e["tid"] == 1]
+        assert [(e["ts"], e["dur"]) for e in comm] == [
+            (pytest.approx(e.start * 1e6), pytest.approx((e.end - e.start) * 1e6)) for e in res.ledger.for_rank(r)]
+    with pytest.raises(ValueError, match="no simulated times"):
+        chrome_trace(launch(fn, 2).ledger, [res.clocks[0]] * 2)

@@ -1,0 +1,39 @@
+"""Chrome / Perfetto trace of simulated time (chrome://tracing, ui.perfetto.dev).
+
+One process per rank with two threads: the compute stream (segments of modelled compute
+between calls) and the communication stream (every call of the ledger over its simulated
+[start, end], named by its label, with op, group, bytes and algorithm as arguments).
+Gaps on the compute stream are stalls: idle (waiting for the last rank of a collective)
+or exposed communication. Times are microseconds.
+"""
+from __future__ import annotations
+
+import json
+
+COMPUTE, COMM = 0, 1
+
+
+def chrome_trace(ledger, clocks) -> dict:
+    """The trace of a simulated run: `ledger` with start/end set (a hardware profile was
+    given) and every rank's RankClock."""
+    events = []
+    for rank, clock in enumerate(clocks):
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": COMPUTE, "args": {"name": "compute"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": COMM, "args": {"name": "communication"}})
+        for start, end in clock.segments:
+            events.append({"ph": "X", "name": "compute", "cat": "compute", "pid": rank, "tid": COMPUTE,
+                           "ts": start * 1e6, "dur": (end - start) * 1e6})
+        for e in ledger.for_rank(rank):
+            if e.start is None:
+                raise ValueError("the ledger has no simulated times: launch with a hardware profile")
+            events.append({"ph": "X", "name": e.label, "cat": e.op, "pid": rank, "tid": COMM,
+                           "ts": e.start * 1e6, "dur": (e.end - e.start) * 1e6,
+                           "args": {"op": e.op, "group": list(e.group), "bytes": e.size, "sent": e.bytes_sent,
+                                    "received": e.bytes_recv, "dtype": e.dtype, "site": str(e.site)}})
+    return {"traceEvents": events, "displayTimeUnit": "ns"}
+
+
+def write_chrome_trace(path: str, ledger, clocks) -> None:
+    with open(path, "w") as f:
+        json.dump(chrome_trace(ledger, clocks), f)
