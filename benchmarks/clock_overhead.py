@@ -1,7 +1,7 @@
-"""Benchmark: the cost of simulating time (issue 4, item 7). The 8-rank DDP run of the
-first recipe (small GPT, micro-batch 8) with the clock off and on (`--hardware
-h100-sxm`: every op goes through the per-rank compute model, every call through the cost
-model). Target: at most 1.2× slower with it on. Median step over alternating runs, each
+"""Benchmark: the cost of simulating time and accounting memory (issue 4, item 7). The
+8-rank DDP run of the first recipe (small GPT, micro-batch 8) with both off and on
+(`--hardware h100-sxm`: every op goes through the per-rank compute model, every call
+through the cost model, every tensor saved for backward through the memory tracker). Target: at most 1.2× slower with it on. Median step over alternating runs, each
 in-process. Prints a table and writes JSON.
 """
 import argparse
@@ -30,7 +30,7 @@ def main():
                                   progress=False, hardware="h100-sxm" if mode == "on" else None))
             runs[mode].append(median(res.step_times[1:]))
     off, on = median(runs["off"]), median(runs["on"])
-    print_table("clock and cost model off vs on (8 ranks, small GPT, median step)", ["", "off", "on", "on / off", "target"],
+    print_table("simulated time and memory accounting off vs on (8 ranks, small GPT, median step)", ["", "off", "on", "on / off", "target"],
                 [["median step", f"{off * 1e3:.0f} ms", f"{on * 1e3:.0f} ms", f"{on / off:.2f}", "<= 1.2"]])
     print("per run (ms): off " + ", ".join(f"{x * 1e3:.0f}" for x in runs["off"]) +
           "; on " + ", ".join(f"{x * 1e3:.0f}" for x in runs["on"]))

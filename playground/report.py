@@ -100,6 +100,7 @@ def train_summary(res) -> str:
                  f"{tflops:.3g} model TFLOP/s per rank")
     if run.hardware:
         lines.append(simulated_time(res))
+        lines.append(memory_table(res))
     lines.append("\ncommunication per rank per step (from the ledger):")
     lines.append(bytes_per_step(res.ledger, len(res.losses)))
     return "\n".join(lines)
@@ -121,6 +122,23 @@ def simulated_time(res) -> str:
     tokens = res.run.tokens_per_step / per_rank[slowest]["time"]
     return (f"\nsimulated on {res.run.hardware} (median step; roofline per op, alpha-beta per collective): "
             f"{tokens:,.0f} tokens/s\n" + table(["", "step", "compute", "exposed comm", "idle"], rows, left=1))
+
+
+def memory_table(res) -> str:
+    """Peak memory by category for rank 0 and the rank with the largest peak."""
+    from collectives.hardware import load_hardware
+    capacity = load_hardware(res.run.hardware).hbm_capacity
+    per_rank = [v["memory"] for v in res.values]
+    top = max(range(len(per_rank)), key=lambda r: per_rank[r]["peak_total"])
+    rows = []
+    for r in sorted({0, top}):
+        m = per_rank[r]
+        rows.append([f"rank {r}", human_bytes(m["parameters"]), human_bytes(m["gradients"]), human_bytes(m["optimizer"]),
+                     human_bytes(m["peak_activations"]), human_bytes(m["comm_buffers"]), human_bytes(m["peak_total"]),
+                     f"{100 * m['peak_total'] / capacity:.2f}%"])
+    return ("\nmemory per rank (peak; model states measured from the tensors, activations as saved for backward):\n"
+            + table(["", "parameters", "gradients", "optimizer", "activations", "comm buffers", "peak total",
+                     f"of {human_bytes(capacity)}"], rows, left=1))
 
 
 def check_summary(rep, verbose: bool = True) -> str:

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from collectives import Mesh, ReduceOp, launch
+from collectives.memory import MemoryTracker
 from ddp import DistributedDataParallel
 from model import GPT
 from model.data import make_source
@@ -65,8 +66,10 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
     rows = layout.global_batch // layout.dp
     autocast = (torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16)
                 if run.dtype == "bfloat16" else contextlib.nullcontext())
-    out = {"losses": [], "step_times": [], "sim_steps": []}
+    out = {"losses": [], "step_times": [], "sim_steps": [], "memory": None}
     clock = getattr(world, "clock", None) if run.hardware else None
+    memory = MemoryTracker() if run.hardware else None  # accounted with simulated time
+    params = list(model.parameters())
     bar = tqdm(total=run.steps, desc="train", unit="step", disable=not (run.progress and world.rank == 0),
                dynamic_ncols=True)
     for step in range(run.steps):
@@ -78,16 +81,20 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
         total = torch.zeros((), dtype=torch.float64, device=device)
         for i, mb in enumerate(micro):
             sync = i == len(micro) - 1
-            with contextlib.nullcontext() if sync else ddp.no_sync():  # forward and backward
+            tracking = memory.track_activations(exclude=params) if memory else contextlib.nullcontext()
+            with contextlib.nullcontext() if sync else ddp.no_sync(), tracking:  # forward and backward
                 with autocast:
                     loss = ddp(mb[:, :-1], mb[:, 1:]) / len(micro)
                 loss.backward()
             total += loss.detach().double()
+            del loss  # the graph, and the activations it saved, go now
         if collect and step == 0:
             out["grads"] = snapshot(model, pieces, "grad")
         opt.step()
         opt.zero_grad(set_to_none=False)  # zero in place: the gradients stay views into DDP's buckets
         dp.all_reduce(total, op=ReduceOp.AVG, label="metrics.loss")
+        if memory:
+            out["memory"] = memory.snapshot(model, opt)
         if clock:  # before the report's own all-reduce of the loss
             sim1 = clock.breakdown()
             out["sim_steps"].append({k: sim1[k] - sim0[k] for k in sim1})
