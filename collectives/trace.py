@@ -9,6 +9,7 @@ or exposed communication. Times are microseconds.
 from __future__ import annotations
 
 import json
+import os
 
 COMPUTE, COMM = 0, 1
 
@@ -35,5 +36,6 @@ def chrome_trace(ledger, clocks) -> dict:
 
 
 def write_chrome_trace(path: str, ledger, clocks) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(chrome_trace(ledger, clocks), f)

@@ -11,7 +11,6 @@ from model import DEFAULT_LR, PRESETS, preset
 from .layout import SCHEDULES, Layout, LayoutError
 from .run_config import DTYPES, RunConfig
 
-LATER = {"plots": "plots (issue 4)"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
                                       "(sim backend)")
     o.add_argument("--trace", help="write a Chrome/Perfetto trace of the simulated time of every rank "
                                    "(with --hardware; open in ui.perfetto.dev)")
-    o.add_argument("--plots", help="(not built yet)")
+    o.add_argument("--plots", help="write PNG plots to this folder: loss, bytes by label; with --hardware also "
+                                   "the timeline of the last step and memory by category")
 
     p = argparse.ArgumentParser(prog="playground", description="Distributed training on simulated ranks.")
     sub = p.add_subparsers(dest="verb", required=True)
@@ -58,9 +58,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run_config(args, default_steps: int) -> RunConfig:
-    for flag, what in LATER.items():
-        if getattr(args, flag):
-            raise LayoutError(f"--{flag}: {what} is not built yet")
     world = args.world
     if world is None and args.backend == "torch" and "WORLD_SIZE" in os.environ:
         world = int(os.environ["WORLD_SIZE"])  # under torchrun the world is its process count
@@ -125,6 +122,9 @@ def _main(args) -> int:
                 from collectives.trace import write_chrome_trace
                 write_chrome_trace(args.trace, res.ledger, res.clocks)
                 print(f"\ntrace: {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
+            if args.plots:
+                from .plots import write_plots
+                print("\nplots: " + ", ".join(write_plots(res, args.plots)))
         return 0
     from .check import check
     rep = check(run)

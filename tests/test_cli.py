@@ -38,7 +38,6 @@ def test_check_on_gloo_processes():
     (["check", "--world", "6", "--tp", "4"], "world=6 is not divisible by tp·pp·cp = 4"),
     (["train", "--hardware", "tpu9"], "hardware 'tpu9': not a profile"),
     (["train", "--trace", "t.json"], "--trace needs --hardware"),
-    (["train", "--plots", "d"], "--plots: plots (issue 4) is not built yet"),
 ])
 def test_bad_layouts_exit_2_with_a_message(args, message):
     p = run(*args)
@@ -64,6 +63,16 @@ def test_trace_of_simulated_time(tmp_path):
     for rank in range(3):
         compute = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if e["pid"] == rank and e["tid"] == 0)
         assert compute and all(a[1] <= b[0] + 1e-6 for a, b in zip(compute, compute[1:]))  # never overlapping
+
+
+def test_plots(tmp_path):
+    p = run("train", "--dp", "2", "--steps", "3", "--no-progress", "--hardware", "h200", "--plots", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    for name in ("loss.png", "bytes.png", "timeline.png", "memory.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+    p = run("train", "--dp", "2", "--steps", "2", "--no-progress", "--plots", str(tmp_path / "plain"))
+    assert p.returncode == 0 and sorted(f.name for f in (tmp_path / "plain").iterdir()) == ["bytes.png", "loss.png"]
 
 
 def test_bench_unknown_name():

@@ -1,0 +1,117 @@
+"""PNG plots of a training run (matplotlib, Agg backend: no display needed).
+
+- timeline.png: simulated time of the last step per rank, compute and communication
+  streams (needs --hardware);
+- bytes.png: bytes sent per rank per step, stacked by ledger label family;
+- memory.png: peak memory per rank by category (needs --hardware);
+- loss.png: the loss curve against the source's floor.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+COLORS = {"compute": "#4C72B0", "comm": "#DD8452"}
+
+
+def _family(label: str) -> str:
+    m = re.fullmatch(r"(.*\D)\d+", label)
+    return m.group(1) + "*" if m else label
+
+
+def timeline(res, path: str) -> None:
+    """The last step's window on every rank: compute segments and communication calls."""
+    steps = res.values[0]["sim_steps"]
+    end = max(c.now for c in res.clocks)
+    start = end - max(v["sim_steps"][-1]["time"] for v in res.values)
+    n = len(res.clocks)
+    fig, ax = plt.subplots(figsize=(11, 1.0 + 0.55 * n))
+    for r, clock in enumerate(res.clocks):
+        y = n - 1 - r
+        comp = [(a, b - a) for a, b in clock.segments if b > start]
+        ax.broken_barh([((a - start) * 1e3, d * 1e3) for a, d in comp], (y + 0.05, 0.4), color=COLORS["compute"])
+        calls = [e for e in res.ledger.for_rank(r) if e.end is not None and e.end > start]
+        ax.broken_barh([((e.start - start) * 1e3, (e.end - e.start) * 1e3) for e in calls], (y - 0.45, 0.4),
+                       color=COLORS["comm"])
+    ax.set_yticks(range(n))
+    ax.set_yticklabels([f"rank {n - 1 - i}" for i in range(n)])
+    ax.set_xlabel("simulated time in the last step (ms)")
+    ax.set_title(f"Last step on {res.run.hardware}: compute (blue, upper) and communication (orange, lower) "
+                 f"per rank; gaps in blue are waits", fontsize=9)
+    del steps
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def bytes_by_label(res, path: str) -> None:
+    steps = len(res.losses)
+    per_rank = res.ledger.totals("label")
+    families = sorted({_family(k) for labels in per_rank.values() for k in labels})
+    n = len(per_rank)
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * n + 3), 4))
+    bottom = [0.0] * n
+    for fam in families:
+        vals = [sum(t.bytes_sent for k, t in per_rank[r].items() if _family(k) == fam) / steps / 2**20 for r in range(n)]
+        ax.bar(range(n), vals, bottom=bottom, label=fam)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(range(n))
+    ax.set_xlabel("rank")
+    ax.set_ylabel("MiB sent per step")
+    ax.set_title("Bytes each rank sends per step, by ledger label (setup spread over the steps)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def memory(res, path: str) -> None:
+    cats = ["parameters", "gradients", "optimizer", "peak_activations", "comm_buffers"]
+    per_rank = [v["memory"] for v in res.values]
+    n = len(per_rank)
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * n + 3), 4))
+    bottom = [0.0] * n
+    for c in cats:
+        vals = [m[c] / 2**20 for m in per_rank]
+        ax.bar(range(n), vals, bottom=bottom, label=c.replace("peak_", "") + (" (peak)" if "peak" in c else ""))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(range(n))
+    ax.set_xlabel("rank")
+    ax.set_ylabel("MiB")
+    ax.set_title("Peak memory per rank by category")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def loss(res, path: str) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(range(1, len(res.losses) + 1), res.losses, label="loss (mean over the global batch)")
+    if res.loss_floor is not None:
+        ax.axhline(res.loss_floor, color="gray", linestyle="--", label=f"floor {res.loss_floor:.3f} (entropy rate)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title("Training loss")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_plots(res, directory: str) -> list:
+    os.makedirs(directory, exist_ok=True)
+    written = []
+    for name, fn, needs_time in (("loss.png", loss, False), ("bytes.png", bytes_by_label, False),
+                                 ("timeline.png", timeline, True), ("memory.png", memory, True)):
+        if needs_time and not res.clocks:
+            continue
+        path = os.path.join(directory, name)
+        fn(res, path)
+        written.append(path)
+    return written
