@@ -18,8 +18,9 @@ node; all_gather (reduce_scatter mirrored) = all_gather of S/k across nodes + al
 the node. Irregular spans fall back to a flat ring over the network. Ranks sit on nodes
 in blocks of `gpus_per_node` (rank r on node r // gpus_per_node).
 
-`algorithm="auto"` takes, for all_reduce, the cheaper of ring and recursive doubling
-(NCCL likewise switches to a tree for small messages).
+`algorithm="auto"` takes, for all_reduce, the cheaper of recursive doubling and the ring
+(or the hierarchical algorithm, for groups over several nodes), as NCCL switches to a
+tree for small messages.
 """
 from __future__ import annotations
 
@@ -92,9 +93,12 @@ def collective_cost(op: str, size: float, ranks, hw: Hardware, algorithm: str = 
     if op == "barrier":
         op, size, algorithm = "all_reduce", 0.0, "recursive_doubling"
     m, k, regular = placement(ranks, hw.gpus_per_node)
-    if m > 1 and k > 1 and regular and op in ("all_reduce", "all_gather", "reduce_scatter") and algorithm in ("auto", "hierarchical"):
-        return _hierarchical(op, size, m, k, hw), "hierarchical"
     link = nvlink(hw) if m == 1 else network(hw)
+    if m > 1 and k > 1 and regular and op in ("all_reduce", "all_gather", "reduce_scatter") and algorithm in ("auto", "hierarchical"):
+        hier = _hierarchical(op, size, m, k, hw)
+        if algorithm == "auto" and op == "all_reduce" and recursive_doubling_all_reduce(p, size, link) < hier:
+            return recursive_doubling_all_reduce(p, size, link), "recursive_doubling"
+        return hier, "hierarchical"
     if op == "all_reduce":
         ring = ring_all_reduce(p, size, link)
         rd = recursive_doubling_all_reduce(p, size, link)
@@ -107,6 +111,26 @@ def collective_cost(op: str, size: float, ranks, hw: Hardware, algorithm: str = 
     if op in ("broadcast", "reduce", "broadcast_object"):
         return chain_broadcast(p, size, link), "chain"
     raise ValueError(f"no cost formula for op {op!r}")
+
+
+def bytes_per_rank(op: str, algorithm: str, S: int, ranks, hw: Hardware):
+    """(sent, received) by each rank under `algorithm` where it differs from the ring
+    (algorithms.py); None where the ring's bytes stand. Recursive doubling exchanges the
+    whole S at each of ⌈log2 p⌉ steps; hierarchical moves the intra-node ring's share of S
+    plus the inter-node share of S/k (per rank: 2(k-1)/k·S + 2(m-1)/m·S/k for all_reduce,
+    (k-1)/k·S + (m-1)/m·S/k for all_gather and reduce_scatter)."""
+    p = len(ranks)
+    if algorithm == "recursive_doubling":
+        b = math.ceil(math.log2(p)) * S
+        return b, b
+    if algorithm == "hierarchical":
+        m, k, _ = placement(ranks, hw.gpus_per_node)
+        if op == "all_reduce":
+            b = 2 * (k - 1) * S // k + 2 * (m - 1) * (S // k) // m
+        else:
+            b = (k - 1) * S // k + (m - 1) * (S // k) // m
+        return b, b
+    return None
 
 
 def _hierarchical(op: str, S: float, m: int, k: int, hw: Hardware) -> float:

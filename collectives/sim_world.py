@@ -19,7 +19,7 @@ from collections import deque
 
 from . import sim_ops
 from .clock import RankClock
-from .cost_model import collective_cost
+from .cost_model import bytes_per_rank, collective_cost
 from .errors import CollectiveMismatchError, DeadlockError, RankAbortedError
 from .ledger import Ledger
 
@@ -126,15 +126,22 @@ class SimWorld:
     def _time(self, slot: Slot, stream) -> None:
         """Under the mutex, when the last member arrives (so the calls of one group are
         timed in their program order): start when every member is ready, last the
-        alpha-beta cost, keep every member's stream busy until the end."""
+        alpha-beta cost, keep every member's stream busy until the end. The ledger records
+        the algorithm the cost model chose and, where it is not the ring, its bytes.
+        Object collectives are timed as empty messages (their size is known only once
+        pickled)."""
         calls = slot.calls
         first = calls[0]
         slot.start = max(c.ready for c in calls)
-        cost, _ = collective_cost(first.op, first.entry.size, first.group, self.hardware)
+        cost, algorithm = collective_cost(first.op, first.entry.size, first.group, self.hardware)
+        moved = bytes_per_rank(first.op, algorithm, first.entry.size, first.group, self.hardware)
         slot.end = slot.start + cost
         for c in calls:
             self.ranks[c.rank].clock.occupy(stream, slot.end)
-            c.entry.start, c.entry.end = slot.start, slot.end
+            e = c.entry
+            e.start, e.end = slot.start, slot.end
+            if moved is not None:  # the cost model chose another algorithm than the ring
+                e.algorithm, (e.bytes_sent, e.bytes_recv) = algorithm, moved
 
     def _complete(self, slot: Slot, calls) -> None:
         try:

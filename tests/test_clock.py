@@ -140,3 +140,23 @@ def test_trace_covers_compute_and_every_call():
             (pytest.approx(e.start * 1e6), pytest.approx((e.end - e.start) * 1e6)) for e in res.ledger.for_rank(r)]
     with pytest.raises(ValueError, match="no simulated times"):
         chrome_trace(launch(fn, 2).ledger, [res.clocks[0]] * 2)
+
+
+def test_the_ledger_records_the_algorithm_the_cost_model_chose():
+    def fn(world):
+        world.all_reduce(torch.empty(2, device="meta"), label="small")
+        world.all_reduce(torch.empty(2**26, device="meta"), label="big")
+    small = 8  # bytes
+    big = 2**28
+    res = launch(fn, 16, hardware=H100)  # two nodes of eight
+    for r in range(16):
+        e = {x.label: x for x in res.ledger.for_rank(r)}
+        assert e["small"].algorithm == "recursive_doubling"
+        assert e["small"].bytes_sent == e["small"].bytes_recv == 4 * small  # log2(16) exchanges of S
+        assert e["big"].algorithm == "hierarchical"
+        k, m = 8, 2
+        assert e["big"].bytes_sent == 2 * (k - 1) * big // k + 2 * (m - 1) * (big // k) // m
+    # without a profile the ledger keeps the ring
+    plain = launch(fn, 16).ledger.for_rank(0)
+    assert [x.algorithm for x in plain] == ["ring", "ring"]
+    assert plain[1].bytes_sent == 2 * 15 * big // 16

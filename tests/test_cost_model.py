@@ -90,3 +90,9 @@ def test_profiles_and_files(tmp_path):
         load_hardware(str(tmp_path / "bad.json"))
     with pytest.raises(ValueError, match="not a profile"):
         load_hardware("tpu-v9")
+
+
+def test_small_all_reduce_across_nodes_takes_recursive_doubling():
+    t, algo = collective_cost("all_reduce", 8, range(16), H100)
+    assert algo == "recursive_doubling" and t == pytest.approx(4 * A_NET + 4 * 8 * B_NET)
+    assert collective_cost("all_reduce", 8, range(16), H100, algorithm="hierarchical")[1] == "hierarchical"
