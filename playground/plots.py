@@ -49,45 +49,40 @@ def timeline(res, path: str) -> None:
     plt.close(fig)
 
 
+def _stacked_per_rank(series: dict, ylabel: str, title: str, path: str) -> None:
+    """One bar per rank, stacked by the series ({name: one value per rank})."""
+    n = len(next(iter(series.values())))
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * n + 3), 4))
+    bottom = [0.0] * n
+    for name, vals in series.items():
+        ax.bar(range(n), vals, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(range(n))
+    ax.set_xlabel("rank")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def bytes_by_label(res, path: str) -> None:
     steps = len(res.losses)
     per_rank = res.ledger.totals("label")
     families = sorted({_family(k) for labels in per_rank.values() for k in labels})
-    n = len(per_rank)
-    fig, ax = plt.subplots(figsize=(max(6, 0.5 * n + 3), 4))
-    bottom = [0.0] * n
-    for fam in families:
-        vals = [sum(t.bytes_sent for k, t in per_rank[r].items() if _family(k) == fam) / steps / 2**20 for r in range(n)]
-        ax.bar(range(n), vals, bottom=bottom, label=fam)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_xticks(range(n))
-    ax.set_xlabel("rank")
-    ax.set_ylabel("MiB sent per step")
-    ax.set_title("Bytes each rank sends per step, by ledger label (setup spread over the steps)", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    series = {fam: [sum(t.bytes_sent for k, t in per_rank[r].items() if _family(k) == fam) / steps / 2**20
+                    for r in range(len(per_rank))] for fam in families}
+    _stacked_per_rank(series, "MiB sent per step",
+                      "Bytes each rank sends per step, by ledger label (setup spread over the steps)", path)
 
 
 def memory(res, path: str) -> None:
-    cats = ["parameters", "gradients", "optimizer", "peak_activations", "comm_buffers"]
     per_rank = [v["memory"] for v in res.values]
-    n = len(per_rank)
-    fig, ax = plt.subplots(figsize=(max(6, 0.5 * n + 3), 4))
-    bottom = [0.0] * n
-    for c in cats:
-        vals = [m[c] / 2**20 for m in per_rank]
-        ax.bar(range(n), vals, bottom=bottom, label=c.replace("peak_", "") + (" (peak)" if "peak" in c else ""))
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_xticks(range(n))
-    ax.set_xlabel("rank")
-    ax.set_ylabel("MiB")
-    ax.set_title("Peak memory per rank by category")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    names = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer",
+             "peak_activations": "activations (peak)", "comm_buffers": "comm buffers"}
+    series = {label: [m[key] / 2**20 for m in per_rank] for key, label in names.items()}
+    _stacked_per_rank(series, "MiB", "Peak memory per rank by category", path)
 
 
 def loss(res, path: str) -> None:
