@@ -8,11 +8,17 @@ attention), bytes = its tensor inputs and outputs read and written once; views m
 nothing, and so do allocations that write nothing (empty, empty_like, ...). This is the
 roofline model (Williams, Waterman & Patterson 2009) per op, with
 no kernel fusion: it overestimates chains of elementwise ops that a compiler would fuse.
+
+`step(mode)` brackets one training step for the clock's record and replay (see
+clock.py): a replayed step runs with this mode popped, so its ops cost nothing to run
+and its compute is the recorded step's.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
@@ -71,3 +77,17 @@ class ComputeModel(TorchDispatchMode):
         self.bytes += nbytes
         self.clock.advance(max(flops / self.flop_rate, nbytes / self.byte_rate))
         return out
+
+    @contextlib.contextmanager
+    def step(self, mode=None):
+        """One step of the rank's program, counted op by op (None), recorded ("record") or
+        replayed from the recording ("replay", with op counting off)."""
+        self.clock.begin_step(mode)
+        if mode == "replay":
+            if _get_current_dispatch_mode() is not self:
+                raise RuntimeError("a replayed step needs the compute model on top of the dispatch-mode stack")
+            with _pop_mode_temporarily():
+                yield self
+        else:
+            yield self
+        self.clock.end_step()

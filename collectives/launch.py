@@ -106,7 +106,9 @@ def _launch_sim(fn, n, args, kwargs, max_running=None, hardware=None) -> LaunchR
         if world.running is not None:
             world.running.acquire()
         try:
-            timing = ComputeModel(hardware, world.ranks[r].clock) if hardware else contextlib.nullcontext()
+            timing = contextlib.nullcontext()
+            if hardware:
+                timing = world.ranks[r].compute_model = ComputeModel(hardware, world.ranks[r].clock)
             with timing:
                 values[r] = fn(SimProcessGroup(world, WORLD_KEY, range(n), r), *args, **kwargs)
             world.ranks[r].clock.finish()

@@ -36,6 +36,12 @@ class SimProcessGroup(ProcessGroup):
         """This rank's simulated clock (advancing only with a hardware profile)."""
         return self._world.ranks[self.ranks[self.rank]].clock
 
+    @property
+    def compute_model(self):
+        """This rank's ComputeModel (None without a hardware profile): `step(mode)` brackets a
+        training step for record and replay."""
+        return self._world.ranks[self.ranks[self.rank]].compute_model
+
     def _record(self, call) -> None:
         ledger = self._world.ledger
         ledger.record(call.make_entry(len(ledger.per_rank[call.rank])))

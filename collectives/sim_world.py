@@ -52,6 +52,7 @@ class RankState:
         self.group_creations: dict = {}  # ranks tuple -> how many groups of them this rank made
         self.waiting_on = None  # (Slot, Call) while blocked
         self.clock = RankClock()
+        self.compute_model = None  # the rank's ComputeModel, with a hardware profile
         self.chain = None  # ranks this one wakes in turn once it is woken (see SimWorld._complete)
         self.finished = False
 

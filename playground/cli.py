@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
                                       "(sim backend)")
     o.add_argument("--trace", help="write a Chrome/Perfetto trace of the simulated time of every rank "
                                    "(with --hardware; open in ui.perfetto.dev)")
+    o.add_argument("--count-every-step", action="store_true",
+                   help="with --hardware: count the ops of every step (slower) instead of replaying step 2's compute "
+                        "on later steps")
     o.add_argument("--plots", help="write PNG plots to this folder: loss, bytes by label; with --hardware also "
                                    "the timeline of the last step and memory by category")
 
@@ -75,7 +78,8 @@ def run_config(args, default_steps: int) -> RunConfig:
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.model]
     return RunConfig(model=cfg, layout=layout, steps=args.steps or default_steps, lr=lr, dtype=args.dtype,
                      seed=args.seed, data=args.data, bucket_cap_mb=args.bucket_mb, backend=args.backend,
-                     progress=not args.no_progress, hardware=args.hardware)
+                     progress=not args.no_progress, hardware=args.hardware,
+                     count_every_step=args.count_every_step)
 
 
 def _is_rank0(backend: str) -> bool:

@@ -72,33 +72,38 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
     params = list(model.parameters())
     bar = tqdm(total=run.steps, desc="train", unit="step", disable=not (run.progress and world.rank == 0),
                dynamic_ncols=True)
+    timing = getattr(world, "compute_model", None) if run.hardware else None
     for step in range(run.steps):
         t0 = time.perf_counter()
-        sim0 = clock.breakdown() if clock else None
-        batch = source.global_batch(step, layout.global_batch, cfg.seq_len)
-        local = batch[dp.rank * rows:(dp.rank + 1) * rows].to(device)
-        micro = local.split(layout.micro_batch_size)
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for i, mb in enumerate(micro):
-            sync = i == len(micro) - 1
-            tracking = memory.track_activations(exclude=params) if memory else contextlib.nullcontext()
-            with contextlib.nullcontext() if sync else ddp.no_sync(), tracking:  # forward and backward
-                with autocast:
-                    loss = ddp(mb[:, :-1], mb[:, 1:]) / len(micro)
-                loss.backward()
-            total += loss.detach().double()
-            del loss  # the graph, and the activations it saved, go now
-        if collect and step == 0:
-            out["grads"] = snapshot(model, pieces, "grad")
-        opt.step()
-        opt.zero_grad(set_to_none=False)  # zero in place: the gradients stay views into DDP's buckets
-        dp.all_reduce(total, op=ReduceOp.AVG, label="metrics.loss")
-        if memory:
-            out["memory"] = memory.snapshot(model, opt)
-        if clock:  # before the report's own all-reduce of the loss
-            sim1 = clock.breakdown()
-            out["sim_steps"].append({k: sim1[k] - sim0[k] for k in sim1})
-        out["losses"].append(total.item())
+        replay = None if run.count_every_step else ("record" if step == 1 else "replay" if step > 1 else None)
+        counted = timing.step(replay) if timing else contextlib.nullcontext()
+        with counted:  # op counting: on, recorded, or replayed with counting off
+            sim0 = clock.breakdown() if clock else None
+            batch = source.global_batch(step, layout.global_batch, cfg.seq_len)
+            local = batch[dp.rank * rows:(dp.rank + 1) * rows].to(device)
+            micro = local.split(layout.micro_batch_size)
+            total = torch.zeros((), dtype=torch.float64, device=device)
+            for i, mb in enumerate(micro):
+                sync = i == len(micro) - 1
+                tracking = (memory.track_activations(exclude=params) if memory and replay != "replay"
+                            else contextlib.nullcontext())  # a replayed step's activations are the recorded one's
+                with contextlib.nullcontext() if sync else ddp.no_sync(), tracking:  # forward and backward
+                    with autocast:
+                        loss = ddp(mb[:, :-1], mb[:, 1:]) / len(micro)
+                    loss.backward()
+                total += loss.detach().double()
+                del loss  # the graph, and the activations it saved, go now
+            if collect and step == 0:
+                out["grads"] = snapshot(model, pieces, "grad")
+            opt.step()
+            opt.zero_grad(set_to_none=False)  # zero in place: the gradients stay views into DDP's buckets
+            dp.all_reduce(total, op=ReduceOp.AVG, label="metrics.loss")
+            if memory:
+                out["memory"] = memory.snapshot(model, opt)
+            if clock:
+                sim1 = clock.breakdown()
+                out["sim_steps"].append({k: sim1[k] - sim0[k] for k in sim1})
+            out["losses"].append(total.item())
         out["step_times"].append(time.perf_counter() - t0)
         bar.set_postfix(loss=f"{out['losses'][-1]:.4f}",
                         tok_s=f"{run.tokens_per_step / out['step_times'][-1]:,.0f}")

@@ -160,3 +160,45 @@ def test_the_ledger_records_the_algorithm_the_cost_model_chose():
     plain = launch(fn, 16).ledger.for_rank(0)
     assert [x.algorithm for x in plain] == ["ring", "ring"]
     assert plain[1].bytes_sent == 2 * 15 * big // 16
+
+
+def test_replayed_steps_match_steps_counted_op_by_op():
+    """Step 1 recorded, steps 2.. replayed with op counting off: every rank's simulated
+    step (compute, exposed communication, idle) and memory equal counting every op."""
+    from playground import Layout, RunConfig
+    from playground.train import train
+
+    def run(every):
+        cfg = preset("tiny", n_layers=2)
+        return train(RunConfig(model=cfg, layout=Layout(dp=3, micro_batch_size=2, microbatches=2), steps=4,
+                               progress=False, hardware="h100-sxm", bucket_cap_mb=0.01, count_every_step=every))
+    counted, replayed = run(True), run(False)
+    assert counted.losses == replayed.losses
+    for a, b in zip(counted.values, replayed.values):
+        assert len(a["sim_steps"]) == 4
+        for sa, sb in zip(a["sim_steps"][1:], b["sim_steps"][1:]):
+            assert sb == {k: pytest.approx(v, rel=1e-9, abs=1e-15) for k, v in sa.items()}
+            assert sb["exposed_comm"] > 0 and sb["compute"] > 0
+        assert a["memory"] == b["memory"]
+    for ca, cb in zip(counted.clocks, replayed.clocks):
+        assert cb.now == pytest.approx(ca.now, rel=1e-9)
+    ents = lambda res: [(e.label, e.start, e.end) for e in res.ledger.for_rank(1)]  # noqa: E731
+    for (la, sa, ea), (lb, sb, eb) in zip(ents(counted), ents(replayed)):
+        assert la == lb and sb == pytest.approx(sa, rel=1e-9) and eb == pytest.approx(ea, rel=1e-9)
+
+
+def test_a_step_that_does_not_repeat_the_recorded_one_is_refused():
+    from collectives import RankFailedError
+    from collectives.clock import ReplayMismatchError
+
+    def fn(world):
+        timing = world.compute_model
+        for step, n in enumerate((1, 1, 2)):  # the third step makes one more call
+            with timing.step("record" if step == 1 else "replay" if step == 2 else None):
+                for _ in range(n):
+                    world.all_reduce(torch.ones(4) @ torch.ones(4, 4))
+    with pytest.raises(RankFailedError, match="recorded step had 'end of step' here"):
+        launch(fn, 2, hardware=H100)
+    with pytest.raises(ReplayMismatchError, match="only after one was recorded"):
+        from collectives.clock import RankClock
+        RankClock().begin_step("replay")
