@@ -107,9 +107,11 @@ def as_buffer(t, what: str = "tensor", view: bool = True) -> Buffer:
                 f"(use backend='torch' for {t.device.type} tensors)"
             )
         d = t.detach() if t.requires_grad else t
+        # through DLPack rather than .numpy(), which would mark the storage not resizable
+        # (ZeRO-3 resizes the storage of its parameters to free and refill them)
         if dtype == "bfloat16":
-            arr = d.view(torch.int16).numpy().view(np.uint16)
+            arr = np.from_dlpack(d.view(torch.int16)).view(np.uint16)
         else:
-            arr = d.numpy()
+            arr = np.from_dlpack(d)
         return Buffer(arr, arr.shape, dtype, arr.itemsize, "cpu", t)
     raise TypeError(f"{what} must be a torch.Tensor or numpy.ndarray, got {type(t).__name__}")

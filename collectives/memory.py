@@ -20,18 +20,19 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 
-def _storage_key(t: torch.Tensor):
-    s = t.untyped_storage()
-    return (s.data_ptr(), s.nbytes()) if t.device.type != "meta" else (id(s), s.nbytes())
+def storage_id(t: torch.Tensor) -> int:
+    """The identity of the storage behind `t`: the same for every view of it, and kept when
+    the storage is resized (ZeRO-3 frees and refills its parameters that way)."""
+    return t.untyped_storage()._cdata
 
 
 def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors`."""
+    """Bytes of the distinct storages behind `tensors` (their current size)."""
     seen = {}
     for t in tensors:
         if t is not None:
-            k = _storage_key(t)
-            seen[k] = k[1]
+            s = t.untyped_storage()
+            seen[s._cdata] = s.nbytes()
     return sum(seen.values())
 
 
@@ -42,6 +43,7 @@ class _Saved:
         self.tensor, self.nbytes, self.tracker = tensor, nbytes, tracker
         tracker.activations += nbytes
         tracker.peak_activations = max(tracker.peak_activations, tracker.activations)
+        tracker._transient_changed()
 
     def __del__(self):
         self.tracker.activations -= self.nbytes
@@ -51,20 +53,32 @@ class MemoryTracker:
     def __init__(self):
         self.activations = 0  # bytes saved for backward now
         self.peak_activations = 0
-        self.comm_buffers = 0  # bytes a strategy holds for communication
+        self.comm_buffers = 0  # bytes a strategy holds for communication now
+        self.peak_comm_buffers = 0
+        self.peak_transient = 0  # the peak of activations + communication buffers together
         self._exclude: set = set()
+
+    def _transient_changed(self) -> None:
+        self.peak_transient = max(self.peak_transient, self.activations + self.comm_buffers)
+
+    def buffer(self, nbytes: int) -> None:
+        """A strategy allocated (nbytes > 0) or freed (< 0) a communication buffer (ZeRO's
+        gathered parameters and in-flight gradients)."""
+        self.comm_buffers += nbytes
+        self.peak_comm_buffers = max(self.peak_comm_buffers, self.comm_buffers)
+        self._transient_changed()
 
     @contextlib.contextmanager
     def track_activations(self, exclude=()):
         """Count the tensors autograd saves inside this block (this thread only); the
         storages of `exclude` (the parameters) are not activations."""
-        self._exclude = {_storage_key(t) for t in exclude}
+        self._exclude = {storage_id(t) for t in exclude}
 
         def pack(t):
-            k = _storage_key(t)
-            if k in self._exclude:
+            s = t.untyped_storage()
+            if s._cdata in self._exclude:
                 return t
-            return _Saved(t, k[1], self)
+            return _Saved(t, s.nbytes(), self)
 
         def unpack(x):
             return x.tensor if isinstance(x, _Saved) else x
@@ -81,13 +95,15 @@ class MemoryTracker:
                 "gradients": storage_bytes(p.grad for p in params),
                 "optimizer": storage_bytes(states)}
 
-    def snapshot(self, model, optimizer=None) -> dict:
-        """Bytes by category now, with the peak of the activations so far and the peak total
-        (model states as now, plus the activations' peak and the communication buffers)."""
-        out = self.model_states(model, optimizer)
+    def snapshot(self, model=None, optimizer=None, states: dict | None = None) -> dict:
+        """Bytes by category now (model states measured from `model` and `optimizer`, or as a
+        strategy reports them in `states`), with the peaks so far of the activations and the
+        communication buffers, and the peak total: model states as now plus the peak of
+        activations and communication buffers held together."""
+        out = dict(states) if states is not None else self.model_states(model, optimizer)
         out["activations"] = self.activations
         out["peak_activations"] = self.peak_activations
         out["comm_buffers"] = self.comm_buffers
-        out["peak_total"] = out["parameters"] + out["gradients"] + out["optimizer"] + self.peak_activations \
-            + self.comm_buffers
+        out["peak_comm_buffers"] = self.peak_comm_buffers
+        out["peak_total"] = out["parameters"] + out["gradients"] + out["optimizer"] + self.peak_transient
         return out

@@ -22,7 +22,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d))
 
     def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        # normalised in at least float32 (as LLaMA does): in fp16 the squares' mean and
+        # its rsqrt lose too much, and backward produced NaNs
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float, dtype, device):

@@ -20,7 +20,6 @@ NOT_BUILT = {
     "pp": "pipeline parallelism (issue 7)",
     "cp": "context parallelism (ring attention / Ulysses)",
     "ep": "expert parallelism (mixture of experts)",
-    "zero": "ZeRO (issue 5)",
     "sequence_parallel": "sequence parallelism (issue 6)",
 }
 

@@ -80,7 +80,7 @@ def bytes_by_label(res, path: str) -> None:
 def memory(res, path: str) -> None:
     per_rank = [v["memory"] for v in res.values]
     names = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer",
-             "peak_activations": "activations (peak)", "comm_buffers": "comm buffers"}
+             "peak_activations": "activations (peak)", "peak_comm_buffers": "comm buffers (peak)"}
     series = {label: [m[key] / 2**20 for m in per_rank] for key, label in names.items()}
     _stacked_per_rank(series, "MiB", "Peak memory per rank by category", path)
 

@@ -100,6 +100,7 @@ def train_summary(res) -> str:
                  f"{tflops:.3g} model TFLOP/s per rank")
     if run.hardware:
         lines.append(simulated_time(res))
+    if res.values[0].get("memory"):
         lines.append(memory_table(res))
     lines.append("\ncommunication per rank per step (from the ledger):")
     lines.append(bytes_per_step(res.ledger, len(res.losses)))
@@ -125,20 +126,27 @@ def simulated_time(res) -> str:
 
 
 def memory_table(res) -> str:
-    """Peak memory by category for rank 0 and the rank with the largest peak."""
-    from collectives.hardware import load_hardware
-    capacity = load_hardware(res.run.hardware).hbm_capacity
+    """Peak memory by category for rank 0 and the rank with the largest peak. Model states
+    are measured from the tensors; activations only with simulated time (--hardware)."""
     per_rank = [v["memory"] for v in res.values]
     top = max(range(len(per_rank)), key=lambda r: per_rank[r]["peak_total"])
+    hw = res.run.hardware
+    capacity = None
+    if hw:
+        from collectives.hardware import load_hardware
+        capacity = load_hardware(hw).hbm_capacity
     rows = []
     for r in sorted({0, top}):
         m = per_rank[r]
-        rows.append([f"rank {r}", human_bytes(m["parameters"]), human_bytes(m["gradients"]), human_bytes(m["optimizer"]),
-                     human_bytes(m["peak_activations"]), human_bytes(m["comm_buffers"]), human_bytes(m["peak_total"]),
-                     f"{100 * m['peak_total'] / capacity:.2f}%"])
-    return ("\nmemory per rank (peak; model states measured from the tensors, activations as saved for backward):\n"
-            + table(["", "parameters", "gradients", "optimizer", "activations", "comm buffers", "peak total",
-                     f"of {human_bytes(capacity)}"], rows, left=1))
+        row = [f"rank {r}", human_bytes(m["parameters"]), human_bytes(m["gradients"]), human_bytes(m["optimizer"]),
+               human_bytes(m["peak_activations"]) if hw else "-", human_bytes(m["peak_comm_buffers"]),
+               human_bytes(m["peak_total"])]
+        rows.append(row + ([f"{100 * m['peak_total'] / capacity:.2f}%"] if hw else []))
+    header = ["", "parameters", "gradients", "optimizer", "activations", "comm buffers", "peak total"]
+    note = "activations as saved for backward" if hw else "activations with --hardware"
+    return (f"\nmemory per rank (after the last step; peaks for activations and communication buffers; model states "
+            f"measured from the tensors; {note}):\n"
+            + table(header + ([f"of {human_bytes(capacity)}"] if hw else []), rows, left=1))
 
 
 def check_summary(rep, verbose: bool = True) -> str:

@@ -10,7 +10,7 @@ from model import GPTConfig, preset
 
 from .layout import Layout
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,9 @@ class RunConfig:
     lr: float = 3e-3
     betas: tuple = (0.9, 0.95)
     weight_decay: float = 0.0
-    dtype: str = "float32"  # bfloat16: float32 weights, bf16 compute under autocast
+    # bfloat16: float32 weights, bf16 compute (DDP: under autocast; ZeRO: bf16 compute copies);
+    # float16: ZeRO's fp16 compute copies with dynamic loss scaling (stage 0 without --zero)
+    dtype: str = "float32"
     seed: int = 0
     data: str | None = None  # None/"markov", or a path
     bucket_cap_mb: float = 25.0
@@ -46,7 +48,7 @@ class RunConfig:
     @property
     def param_dtype(self):
         """Weights, gradients and optimizer states: bfloat16 runs keep them in float32."""
-        return torch.float32 if self.dtype == "bfloat16" else DTYPES[self.dtype]
+        return torch.float32 if self.dtype in ("bfloat16", "float16") else DTYPES[self.dtype]
 
     @property
     def tokens_per_step(self) -> int:

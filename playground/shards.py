@@ -2,7 +2,8 @@
 
 A strategy describes each local parameter as a `Piece`: the reference parameter's name
 and full shape, and the index (a tuple of slices) of the part it holds, or None for the
-whole tensor. `assemble` rebuilds full tensors from the pieces of every rank, checks that
+whole tensor, or `flat=(start, stop)`: elements [start, stop) of the flattened tensor
+(ZeRO's flat shards cut across rows). `assemble` rebuilds full tensors from the pieces of every rank, checks that
 every element is covered, and reports replicas that disagree (two ranks holding the same
 part with different values is a bug, e.g. DDP replicas drifting apart).
 """
@@ -18,6 +19,13 @@ class Piece:
     ref_name: str
     full_shape: tuple
     index: tuple | None = None  # slices into the full tensor; None: the whole tensor
+    flat: tuple | None = None  # (start, stop) into the flattened full tensor, instead of index
+
+    def region(self, full: torch.Tensor) -> torch.Tensor:
+        """The part of `full` (shaped like the reference parameter) this piece holds, as a view."""
+        if self.flat is not None:
+            return full.view(-1)[self.flat[0]:self.flat[1]]
+        return full[self.index] if self.index is not None else full
 
 
 def whole_pieces(module) -> dict:
@@ -45,8 +53,7 @@ def assemble(per_rank: list) -> tuple[dict, list]:
             if piece.ref_name not in full:
                 full[piece.ref_name] = torch.zeros(piece.full_shape, dtype=t.dtype)
                 covered[piece.ref_name] = torch.zeros(piece.full_shape, dtype=torch.bool)
-            idx = piece.index if piece.index is not None else tuple(slice(None) for _ in piece.full_shape)
-            target, seen = full[piece.ref_name][idx], covered[piece.ref_name][idx]
+            target, seen = piece.region(full[piece.ref_name]), piece.region(covered[piece.ref_name])
             if target.shape != t.shape:
                 problems.append(f"rank {rank}: {piece.ref_name}{list(t.shape)} does not fit its index "
                                 f"({list(target.shape)})")

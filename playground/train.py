@@ -19,12 +19,10 @@ from tqdm import tqdm
 
 from collectives import Mesh, ReduceOp, launch
 from collectives.memory import MemoryTracker
-from ddp import DistributedDataParallel
-from model import GPT
 from model.data import make_source
 
+from .build import build
 from .run_config import RunConfig
-from .shards import snapshot, whole_pieces
 
 
 class SharedBatches:
@@ -58,18 +56,14 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
     mesh = Mesh(world, **layout.mesh_axes())
     dp = mesh.group("dp")
     device = _device(run)
-    model = GPT(cfg, seed=run.seed, dtype=run.param_dtype, device=device)
-    ddp = DistributedDataParallel(model, dp, bucket_cap_mb=run.bucket_cap_mb)
-    opt = torch.optim.AdamW(model.parameters(), lr=run.lr, betas=run.betas, weight_decay=run.weight_decay)
+    # model states and communication buffers are always accounted (cheap); activations,
+    # which hook every tensor autograd saves, only with simulated time (--hardware)
+    memory = MemoryTracker()
+    strategy = build(run, mesh, device, memory)
     source = source or make_source(run.data, cfg.vocab_size, run.seed)
-    pieces = whole_pieces(model)
     rows = layout.global_batch // layout.dp
-    autocast = (torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16)
-                if run.dtype == "bfloat16" else contextlib.nullcontext())
     out = {"losses": [], "step_times": [], "sim_steps": [], "memory": None}
     clock = getattr(world, "clock", None) if run.hardware else None
-    memory = MemoryTracker() if run.hardware else None  # accounted with simulated time
-    params = list(model.parameters())
     bar = tqdm(total=run.steps, desc="train", unit="step", disable=not (run.progress and world.rank == 0),
                dynamic_ncols=True)
     timing = getattr(world, "compute_model", None) if run.hardware else None
@@ -85,21 +79,19 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
             total = torch.zeros((), dtype=torch.float64, device=device)
             for i, mb in enumerate(micro):
                 sync = i == len(micro) - 1
-                tracking = (memory.track_activations(exclude=params) if memory and replay != "replay"
+                tracking = (memory.track_activations(exclude=strategy.params) if run.hardware and replay != "replay"
                             else contextlib.nullcontext())  # a replayed step's activations are the recorded one's
-                with contextlib.nullcontext() if sync else ddp.no_sync(), tracking:  # forward and backward
-                    with autocast:
-                        loss = ddp(mb[:, :-1], mb[:, 1:]) / len(micro)
-                    loss.backward()
+                with contextlib.nullcontext() if sync else strategy.no_sync(), tracking:  # forward and backward
+                    with strategy.autocast:
+                        loss = strategy.forward(mb[:, :-1], mb[:, 1:]) / len(micro)
+                    strategy.scale_loss(loss).backward()
                 total += loss.detach().double()
                 del loss  # the graph, and the activations it saved, go now
             if collect and step == 0:
-                out["grads"] = snapshot(model, pieces, "grad")
-            opt.step()
-            opt.zero_grad(set_to_none=False)  # zero in place: the gradients stay views into DDP's buckets
+                out["grads"] = strategy.pieces("grad")
+            strategy.step()
             dp.all_reduce(total, op=ReduceOp.AVG, label="metrics.loss")
-            if memory:
-                out["memory"] = memory.snapshot(model, opt)
+            out["memory"] = memory.snapshot(states=strategy.model_states())
             if clock:
                 sim1 = clock.breakdown()
                 out["sim_steps"].append({k: sim1[k] - sim0[k] for k in sim1})
@@ -110,7 +102,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
         bar.update()
     bar.close()
     if collect:
-        out["weights"] = snapshot(model, pieces, "param")
+        out["weights"] = strategy.pieces("param")
     return out
 
 

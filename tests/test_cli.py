@@ -78,3 +78,12 @@ def test_plots(tmp_path):
 def test_bench_unknown_name():
     p = run("bench", "nope")
     assert p.returncode == 2 and "choose one of" in p.stderr
+
+
+def test_zero_train_and_check():
+    p = run("train", "--dp", "3", "--zero", "3", "--steps", "2", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    assert "memory per rank" in p.stdout and "zero.gather.unit*" in p.stdout and "zero.grads.unit*" in p.stdout
+    p = run("check", "--dp", "2", "--zero", "2", "--dtype", "float64", "--microbatches", "2")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "PASS" in p.stdout and "zero=2" in p.stdout

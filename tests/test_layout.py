@@ -30,7 +30,7 @@ def test_from_counts_errors(kw, message):
     (Layout(virtual_stages=2), r"virtual_stages=2 needs schedule='interleaved'"),
     (Layout(sequence_parallel=True), r"sequence_parallel needs tp > 1"),
     (Layout(tp=2), r"tp=2: tensor parallelism \(issue 6\) is not built yet"),
-    (Layout(zero=2, dp=2), r"zero=2: ZeRO \(issue 5\) is not built yet"),
+    (Layout(zero=4, dp=2), r"zero=4: choose 0, 1, 2 or 3"),
     (Layout(schedule="zz"), r"schedule='zz': choose one of"),
 ])
 def test_validate_errors(layout, message):

@@ -1,0 +1,89 @@
+"""Building the parallel model of a layout (DESIGN.md: the playground's job): one object
+per strategy with the interface the training loop drives.
+
+    forward(tokens, targets) -> loss      no_sync()        scale_loss(loss)
+    step()                                pieces(what)     model_states()
+    params (excluded from activations)    autocast
+
+`DataParallel` is DDP with torch's AdamW (`--dtype bfloat16`: float32 weights under bf16
+autocast); `Zero` is ZeRO stage 0-3 (`--dtype bfloat16|float16`: compute copies in that
+dtype, float32 master weights and optimizer states; float16 with dynamic loss scaling).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ddp import DistributedDataParallel
+from model import GPT
+from zero import ZeroDataParallel
+
+from .run_config import DTYPES
+from .shards import Piece, snapshot, whole_pieces
+
+
+class DataParallel:
+    def __init__(self, run, dp, device, memory=None):
+        self.model = GPT(run.model, seed=run.seed, dtype=run.param_dtype, device=device)
+        self.ddp = DistributedDataParallel(self.model, dp, bucket_cap_mb=run.bucket_cap_mb)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=run.lr, betas=run.betas,
+                                           weight_decay=run.weight_decay)
+        self.params = list(self.model.parameters())
+        self._pieces = whole_pieces(self.model)
+        self.autocast = (torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16)
+                         if run.dtype == "bfloat16" else contextlib.nullcontext())
+
+    def forward(self, tokens, targets):
+        return self.ddp(tokens, targets)
+
+    def no_sync(self):
+        return self.ddp.no_sync()
+
+    def scale_loss(self, loss):
+        return loss
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)  # zero in place: the gradients stay views into the buckets
+
+    def pieces(self, what: str) -> list:
+        return snapshot(self.model, self._pieces, what)
+
+    def model_states(self) -> dict:
+        from collectives.memory import MemoryTracker  # noqa: PLC0415
+        return MemoryTracker.model_states(self.model, self.optimizer)
+
+
+class Zero:
+    def __init__(self, run, dp, device, memory=None):
+        master = torch.float64 if run.dtype == "float64" else torch.float32
+        self.model = GPT(run.model, seed=run.seed, dtype=master, device=device)
+        self.engine = ZeroDataParallel(self.model, dp, run.layout.zero, lr=run.lr, betas=run.betas,
+                                       weight_decay=run.weight_decay, compute_dtype=DTYPES[run.dtype],
+                                       memory=memory)
+        self.params = list(self.model.parameters())
+        self.autocast = contextlib.nullcontext()
+
+    def forward(self, tokens, targets):
+        return self.engine(tokens, targets)
+
+    def no_sync(self):
+        return self.engine.no_sync()
+
+    def scale_loss(self, loss):
+        return self.engine.scale_loss(loss)
+
+    def step(self) -> None:
+        self.engine.step()
+
+    def pieces(self, what: str) -> list:
+        return [(Piece(name, shape, flat=rng), t) for name, shape, rng, t in self.engine.snapshot(what)]
+
+    def model_states(self) -> dict:
+        return self.engine.model_states()
+
+
+def build(run, mesh, device, memory=None):
+    cls = Zero if run.layout.zero or run.dtype == "float16" else DataParallel
+    return cls(run, mesh.group("dp"), device, memory)

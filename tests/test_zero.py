@@ -1,0 +1,166 @@
+"""ZeRO-1/2/3 (issue 5): equivalence with one device for every stage, the bytes each
+stage moves per step, the model-state memory of the paper's formulas, mixed precision and
+dynamic loss scaling."""
+import math
+
+import pytest
+import torch
+
+from collectives import Mesh, launch
+from collectives.memory import MemoryTracker
+from model import GPT, preset
+from playground import Layout, RunConfig
+from playground.check import check
+from playground.train import train
+from zero import DynamicLossScaler, ZeroDataParallel
+from zero.zero import _units_of
+
+# unit sizes 5500 (root) and 15884 (blocks): not divisible by 3 or 8, so shards are uneven
+CFG = preset("tiny", vocab_size=62, d_model=44, n_heads=2, d_ff=61, n_layers=2)
+
+
+def _run(stage, dp, dtype="float64", microbatches=2, steps=3, **kw):
+    return RunConfig(model=CFG, layout=Layout(dp=dp, zero=stage, microbatches=microbatches, micro_batch_size=2),
+                     steps=steps, dtype=dtype, progress=False, **kw)
+
+
+def test_the_test_model_has_uneven_shards():
+    sizes = [sum(p.numel() for _, p in ps) for _, ps in _units_of(GPT(CFG))]
+    for dp in (3, 8):
+        assert any(s % dp for s in sizes)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("dp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_every_stage_matches_one_device(stage, dp, dtype):
+    """Loss of every step, every gradient after the first backward and every weight after
+    three AdamW steps, with two microbatches of gradient accumulation."""
+    rep = check(_run(stage, dp, dtype))
+    assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
+    assert len([r for r in rep.rows if r.what == "grad"]) == len(list(GPT(CFG).parameters()))
+
+
+def test_stage_0_and_bfloat16_mixed_precision_match_one_device():
+    assert check(_run(0, 3, "float64")).passed
+    rep = check(_run(3, 2, "bfloat16"))
+    assert rep.passed, [r for r in rep.rows if not r.ok]
+
+
+def test_the_check_catches_a_zero_that_sums_instead_of_averaging(monkeypatch):
+    import types
+
+    import zero.zero
+    from collectives import ReduceOp
+    monkeypatch.setattr(zero.zero, "ReduceOp", types.SimpleNamespace(AVG=ReduceOp.SUM))
+    rep = check(_run(2, 2, microbatches=1, steps=1))
+    assert not rep.passed and rep.worst("grad").max_rel > 0.5
+
+
+def _padded(stage, n):
+    return sum(-(-sum(p.numel() for _, p in ps) // n) * n for _, ps in _units_of(GPT(CFG)))
+
+
+@pytest.mark.parametrize("dp", [2, 3, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bytes_per_step_follow_the_paper(stage, dp):
+    """Per rank per step (ring): stages 0-2 move 2Ψ·(n-1)/n elements, stage 3 3Ψ·(n-1)/n,
+    with Ψ the parameter count (padded to a multiple of n per unit)."""
+    steps = 2
+    res = train(_run(stage, dp, "float32", microbatches=1, steps=steps))
+    psi = sum(p.numel() for p in GPT(CFG).parameters())
+    psi_padded = _padded(stage, dp)
+    factor = 3 if stage == 3 else 2
+    for r in range(dp):
+        # stage 0 is DDP: its one-time broadcast of the initial weights is setup, not per step
+        sent = sum(e.bytes_sent for e in res.ledger.for_rank(r) if e.label != "metrics.loss" and e.op != "broadcast")
+        if stage == 0:  # DDP's unpadded ring all-reduce: chunks of Ψ/n rounded per bucket
+            assert sent == pytest.approx(factor * psi * (dp - 1) / dp * 4 * steps, rel=1e-4)
+        else:
+            assert sent == factor * psi_padded * (dp - 1) // dp * 4 * steps
+        # the paper's count, within the padding (< n elements per unit)
+        assert abs(sent / (steps * 4) - factor * psi * (dp - 1) / dp) <= factor * 3 * dp
+    ops = {e.op for e in res.ledger.for_rank(0) if e.label != "metrics.loss" and e.op != "broadcast"}
+    assert ops == ({"all_reduce"} if stage == 0 else {"reduce_scatter", "all_gather"})
+
+
+CFG4 = preset("tiny", vocab_size=62, d_model=44, n_heads=2, d_ff=61, n_layers=4)
+
+
+def _states(world, stage):
+    memory = MemoryTracker()
+    model = GPT(CFG4, seed=0, dtype=torch.float32)
+    z = ZeroDataParallel(model, Mesh(world, dp=world.size).group("dp"), stage, compute_dtype=torch.bfloat16,
+                         memory=memory)
+    x = torch.randint(0, CFG4.vocab_size, (2, CFG4.seq_len + 1))
+    z(x[:, :-1], x[:, 1:]).backward()
+    z.step()
+    return z.model_states(), memory.peak_comm_buffers, [u.padded for u in z.units]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_model_state_memory_is_the_papers_formula(stage):
+    """Mixed-precision AdamW, 2 + 2 + 12 bytes per parameter: stage 0 16Ψ; 1 4Ψ + 12Ψ/N;
+    2 2Ψ + 14Ψ/N; 3 16Ψ/N (Ψ padded per unit; plus AdamW's step counter, 4 bytes per
+    unit), measured from the tensors each rank holds after a step."""
+    n = 4
+    res = launch(_states, n, args=(stage,))
+    psi = sum(p.numel() for p in GPT(CFG4).parameters())
+    for states, peak_buffers, padded in res.values:
+        full = sum(padded) if stage else psi
+        shard = sum(padded) // n if stage else psi
+        units = len(padded)
+        params = 2 * (shard if stage == 3 else full)
+        grads = 2 * (shard if stage >= 2 else full)
+        optim = 12 * shard + 4 * units
+        assert states == {"parameters": params, "gradients": grads, "optimizer": optim}
+        paper = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
+        assert sum(states.values()) == pytest.approx(paper, rel=1e-3)
+        if stage == 3:  # the in-flight units: at least the largest one, at most root + two blocks
+            unit_bytes = sorted(2 * p for p in padded)
+            assert max(unit_bytes) <= peak_buffers <= 2 * (unit_bytes[0] + 2 * unit_bytes[-1])
+        elif stage == 2:  # the full gradient of the units in flight: the root's and at most two blocks'
+            root, blocks = 2 * padded[0], [2 * p for p in padded[1:]]
+            assert max(blocks) <= peak_buffers <= root + 2 * max(blocks) < 2 * sum(padded)
+        else:
+            assert peak_buffers == 0
+
+
+def test_train_reports_zero_memory_and_bytes():
+    res = train(_run(3, 4, "float32", microbatches=1, steps=2, hardware="h100-sxm"))
+    m = res.values[0]["memory"]
+    assert m["peak_comm_buffers"] > 0 and m["peak_total"] > m["parameters"] + m["gradients"] + m["optimizer"]
+    assert res.values[0]["sim_steps"][-1]["time"] > 0
+
+
+def test_loss_scaler_skips_overflowing_steps_and_recovers():
+    s = DynamicLossScaler(init_scale=8.0, growth_interval=2)
+    s.update(True)
+    assert s.scale == 4.0 and s.skipped == 1
+    s.update(False), s.update(False)
+    assert s.scale == 8.0
+
+
+def _fp16(world, init_scale):
+    model = GPT(CFG, seed=0, dtype=torch.float32)
+    z = ZeroDataParallel(model, world, 2, lr=3e-3, compute_dtype=torch.float16,
+                         loss_scaler=DynamicLossScaler(init_scale=init_scale))
+    x = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    mine = x[2 * world.rank:2 * world.rank + 2]
+    losses, taken = [], []
+    for _ in range(16):
+        loss = z(mine[:, :-1], mine[:, 1:])
+        z.scale_loss(loss).backward()
+        taken.append(z.step())
+        losses.append(loss.item())
+    return losses, taken, z.scaler.scale
+
+
+def test_float16_with_dynamic_loss_scaling_skips_overflows_then_trains():
+    losses, taken, scale = launch(_fp16, 2, args=(2.0 ** 20,)).values[0]
+    assert taken[0] is False  # 2^20 overflows fp16: skipped, and the scale halves until it fits
+    assert scale < 2.0 ** 20 and taken[-1] is True
+    first = taken.index(True)
+    assert losses[first] == pytest.approx(losses[0])  # skipped steps changed nothing
+    assert losses[-1] < losses[first] - 0.1
+    assert math.isfinite(losses[-1])

@@ -1,0 +1,37 @@
+"""Dynamic loss scaling for fp16 training (Micikevicius et al. 2018, "Mixed Precision
+Training"): the loss is multiplied by a scale so that small gradients survive fp16; a step
+whose gradients overflowed (inf or NaN on any rank) is skipped and the scale halved; after
+`growth_interval` good steps in a row the scale doubles.
+"""
+from __future__ import annotations
+
+import torch
+
+from collectives import ReduceOp
+
+
+class DynamicLossScaler:
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000):
+        self.scale = init_scale
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.good_steps = 0
+        self.skipped = 0
+
+    def found_overflow(self, grads, group, label: str) -> bool:
+        """Whether any rank's gradients hold an inf or NaN (one small all-reduce, so every
+        rank decides the same)."""
+        local = any(not torch.isfinite(g).all() for g in grads)
+        flag = torch.tensor([1.0 if local else 0.0], dtype=torch.float32, device=grads[0].device)
+        group.all_reduce(flag, op=ReduceOp.MAX, label=label)
+        return bool(flag.item())
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale *= self.backoff_factor
+            self.good_steps = 0
+            self.skipped += 1
+        else:
+            self.good_steps += 1
+            if self.good_steps % self.growth_interval == 0:
+                self.scale *= self.growth_factor

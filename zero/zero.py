@@ -1,0 +1,321 @@
+"""ZeRO-1/2/3 data parallelism with a sharded AdamW (Rajbhandari et al. 2019, "ZeRO:
+Memory Optimizations Toward Training Trillion Parameter Models"), parameters sharded in
+FSDP-style units (Zhao et al. 2023, "PyTorch FSDP").
+
+The model's parameters are grouped into units (one per transformer block, and one for
+the rest: embedding, final norm, head), each flattened into one buffer split into equal
+shards over the data-parallel group (`FlatUnit`). By stage:
+
+- 0: the baseline the paper compares with: gradients all-reduced, every rank holds and
+  updates everything (mixed-precision data parallelism).
+- 1 (P_os): each rank keeps the optimizer states (and the fp32 master weights) of its
+  shard only. Full gradients accumulate locally; at the last microbatch each unit's
+  gradient is reduce-scattered (in place, as soon as the unit's backward is done); each
+  rank updates its shard, then each unit's parameters are all-gathered.
+- 2 (P_os+g): gradients sharded too: each unit's gradient is reduce-scattered as soon as
+  its backward is done, on every microbatch, into the rank's gradient shard, and the full
+  unit gradient is freed.
+- 3 (P_os+g+p): parameters sharded too: a unit's parameters are all-gathered before its
+  forward and freed after it, all-gathered again before its backward (triggered by a
+  hook on the unit's output gradient) and freed when its last parameter gradient has
+  been accumulated; the next unit's all-gather is started ahead (prefetch) on the
+  communication stream. The root unit (embedding, norm, head) is gathered from the start
+  to the end of forward, and again from the start to the end of backward.
+
+Mixed precision: parameters and gradients in `compute_dtype` (the model runs in it), the
+master weights and AdamW's states in the dtype the model was built in (fp32); gradients
+are reduced in `reduce_dtype` (default the compute dtype); fp16 gets dynamic loss
+scaling (`loss_scaler.py`). The optimizer is torch's AdamW applied to the shards: AdamW
+is elementwise, so updating shards equals updating the whole.
+
+Communication labels: `zero.grads.unit<i>` (all-reduce at stage 0, reduce-scatter
+otherwise), `zero.params.unit<i>` (the all-gather after the step, stages 1-2),
+`zero.gather.unit<i>` (stage 3's all-gathers), `zero.overflow` (fp16). Unit 0 is the root.
+
+Under `no_sync()` stages 0 and 1 accumulate gradients locally and reduce at the next
+backward outside it; stages 2 and 3 reduce every microbatch (their point is not to hold
+a full gradient), so gradient accumulation costs them one gradient reduction per
+microbatch, and stage 3 also two all-gathers per microbatch.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from collectives import ReduceOp
+from collectives.memory import storage_bytes, storage_id
+
+from .flat_unit import FlatUnit
+from .loss_scaler import DynamicLossScaler
+
+
+def _units_of(module) -> list:
+    """[(name, [(param name, param)])]: the root unit (parameters outside `blocks`), then
+    one unit per block; a module without `blocks` is one unit."""
+    blocks = getattr(module, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList):
+        return [("unit0", list(module.named_parameters())), None]
+    in_blocks = {id(p) for p in blocks.parameters()}
+    root = [(n, p) for n, p in module.named_parameters() if id(p) not in in_blocks]
+    units = [("unit0", root)]
+    for i, block in enumerate(blocks):
+        units.append((f"unit{i + 1}", [(f"blocks.{i}.{n}", p) for n, p in block.named_parameters()]))
+    return units
+
+
+class ZeroDataParallel(nn.Module):
+    def __init__(self, module: nn.Module, group, stage: int, lr: float = 1e-3, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, compute_dtype=None, reduce_dtype=None,
+                 loss_scaler: DynamicLossScaler | None = None, memory=None, label: str = "zero"):
+        super().__init__()
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+        self.module, self.group, self.stage, self.label = module, group, stage, label
+        self.master_dtype = next(module.parameters()).dtype
+        self.compute_dtype = compute_dtype or self.master_dtype
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self.mixed = self.compute_dtype != self.master_dtype
+        if loss_scaler is None and self.compute_dtype == torch.float16:
+            loss_scaler = DynamicLossScaler()
+        self.scaler = loss_scaler
+        self.memory = memory  # a MemoryTracker: transient buffers are reported to it
+        self.require_sync = True
+        n, r = (1, 0) if stage == 0 else (group.size, group.rank)
+        specs = [u for u in _units_of(module) if u is not None]
+        if self.mixed:  # the model computes in the compute dtype: its floating buffers too (RoPE tables)
+            for b in module.buffers():
+                if b.is_floating_point():
+                    b.data = b.data.to(self.compute_dtype)
+        self.units = [FlatUnit(i, name, params, n, r, self.compute_dtype) for i, (name, params) in enumerate(specs)]
+        self._where = {}
+        for u in self.units:
+            for i, p in enumerate(u.params):
+                self._where[p] = (u, i)
+            full_master = u.initial if self.mixed else u.flat  # master dtype, full
+            if stage == 3:
+                u.param_shard = u.flat[u.lo:u.hi].clone()
+                u.master = u.initial[u.lo:u.hi].clone() if self.mixed else u.param_shard
+                u.free()
+            else:
+                u.param_shard = None
+                u.master = full_master[u.lo:u.hi].clone() if self.mixed else u.flat[u.lo:u.hi]
+            del u.initial
+            u.grad_flat = torch.zeros(u.padded, dtype=self.compute_dtype, device=u.flat.device) if stage < 2 else None
+            u.grad_shard = torch.zeros(u.shard, dtype=self.compute_dtype, device=u.flat.device) if stage >= 2 else None
+            u.reduce = None  # (work, buffer) of the gradient reduction in flight
+            u.pending = set(u.params)
+        self.optimizer = torch.optim.AdamW([u.master for u in self.units], lr=lr, betas=betas, eps=eps,
+                                           weight_decay=weight_decay)
+        self._armed = False
+        self._in_flight: list = []  # units whose gradient reduction is in flight, oldest first
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for u in self.units for p in u.params]
+        if stage == 3:
+            self._install_stage3_hooks()
+
+    # -- the training-loop interface --------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Stages 0-1: accumulate gradients locally; the next backward outside reduces them."""
+        previous, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+    def scale_loss(self, loss):
+        """The loss to call backward on (multiplied by the loss scale with fp16)."""
+        return loss * self.scaler.scale if self.scaler else loss
+
+    def _local_grad(self, u) -> torch.Tensor:
+        """The reduced gradient this rank updates with (its shard; all of it at stage 0)."""
+        if self.stage == 0:
+            return u.grad_flat
+        return u.grad_flat[u.lo:u.hi] if self.stage == 1 else u.grad_shard
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """AdamW on the shards, then publish the parameters; False if the step was skipped
+        (fp16 overflow)."""
+        grads = [self._local_grad(u) for u in self.units]
+        if self.scaler:
+            overflow = self.scaler.found_overflow(grads, self.group, label=f"{self.label}.overflow")
+            scale = self.scaler.scale
+            self.scaler.update(overflow)
+            if overflow:
+                self._zero_grads()
+                return False
+        for u, g in zip(self.units, grads):
+            g = g.to(self.master_dtype) if g.dtype != self.master_dtype else g
+            u.master.grad = g / scale if self.scaler else g
+        self.optimizer.step()
+        for u in self.units:
+            u.master.grad = None
+        self._zero_grads()
+        works = []
+        for u in self.units:
+            if self.stage == 3:
+                if self.mixed:
+                    u.param_shard.copy_(u.master)
+                continue
+            if self.mixed:
+                u.flat[u.lo:u.hi].copy_(u.master)
+            if self.stage > 0:
+                works.append(self.group.all_gather(u.flat, u.flat[u.lo:u.hi], async_op=True,
+                                                   label=f"{self.label}.params.{u.name}"))
+        for w in works:
+            w.wait()
+        return True
+
+    def _zero_grads(self) -> None:
+        for u in self.units:
+            (u.grad_flat if self.stage < 2 else u.grad_shard).zero_()
+
+    # -- gradients ------------------------------------------------------------------------------
+    def _buffer(self, nbytes: int) -> None:
+        if self.memory is not None:
+            self.memory.buffer(nbytes)
+
+    def _grad_ready(self, p) -> None:
+        u, i = self._where[p]
+        if not self._armed:
+            self._armed = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if u.grad_flat is None:
+            u.grad_flat = torch.zeros(u.padded, dtype=self.compute_dtype, device=p.device)
+            self._buffer(u.grad_flat.nbytes)
+        u.view_of(u.grad_flat, i).add_(p.grad)
+        p.grad = None
+        u.pending.discard(p)
+        if not u.pending:
+            self._unit_backward_done(u)
+
+    def _reducing(self) -> bool:
+        return self.stage >= 2 or self.require_sync
+
+    def _unit_backward_done(self, u) -> None:
+        if self.stage == 3:
+            self._free(u)
+        if not self._reducing():
+            return
+        buf = u.grad_flat if self.reduce_dtype == self.compute_dtype else u.grad_flat.to(self.reduce_dtype)
+        label = f"{self.label}.grads.{u.name}"
+        if self.stage == 0:
+            work = self.group.all_reduce(buf, op=ReduceOp.AVG, async_op=True, label=label)
+        else:
+            work = self.group.reduce_scatter(buf[u.lo:u.hi], buf, op=ReduceOp.AVG, async_op=True, label=label)
+        u.reduce = (work, buf)
+        self._in_flight.append(u)
+        # Stages 2-3 hold a unit's full gradient only while it is reduced: with one more
+        # reduction in flight, the older one is finished and its buffer freed (otherwise
+        # every unit's full gradient would be alive at the end of backward: 2Ψ).
+        while self.stage >= 2 and len(self._in_flight) > 1:
+            self._finish_reduce(self._in_flight.pop(0))
+
+    def _finish_reduce(self, u) -> None:
+        work, buf = u.reduce
+        work.wait()
+        if self.stage >= 2:
+            u.grad_shard.add_(buf[u.lo:u.hi])
+            self._buffer(-u.grad_flat.nbytes)
+            u.grad_flat = None
+        elif buf is not u.grad_flat:
+            part = slice(None) if self.stage == 0 else slice(u.lo, u.hi)
+            u.grad_flat[part].copy_(buf[part])
+        u.reduce = None
+
+    def _end_of_backward(self) -> None:
+        for u in self.units:
+            if u.pending and u.reduce is None and self._reducing():
+                # parameters that received no gradient contribute zeros
+                if u.grad_flat is None:
+                    u.grad_flat = torch.zeros(u.padded, dtype=self.compute_dtype, device=u.flat.device)
+                    self._buffer(u.grad_flat.nbytes)
+                self._unit_backward_done(u)
+        for u in self._in_flight:
+            self._finish_reduce(u)
+        self._in_flight = []
+        for u in self.units:
+            u.pending = set(u.params)
+            if self.stage == 3:
+                self._free(u)
+        self._armed = False
+
+    # -- stage 3: parameters gathered around their use -----------------------------------------
+    def _gather(self, u, wait: bool) -> None:
+        if u.gather(self.group, u.param_shard, label=f"{self.label}.gather.{u.name}") is not None:
+            self._buffer(u.nbytes)
+        if wait:
+            u.wait_gathered()
+
+    def _free(self, u) -> None:
+        if u.gathered:
+            u.free()
+            self._buffer(-u.nbytes)
+
+    def _install_stage3_hooks(self) -> None:
+        root, blocks = self.units[0], self.units[1:]
+        modules = list(self.module.blocks) if blocks else []
+        # The root unit (embedding, final norm, head) is gathered around the whole forward
+        # and again for the whole backward, so every parameter is gathered twice per step
+        # (the paper's 3Ψ; FSDP keeps its root gathered instead, saving Ψ_root of traffic).
+        self.module.register_forward_pre_hook(self._pre_forward_hook(root, blocks[0] if blocks else None))
+        self.module.register_forward_hook(self._post_forward_hook(root, blocks[-1] if blocks else None))
+        for k, (u, m) in enumerate(zip(blocks, modules)):
+            nxt = blocks[k + 1] if k + 1 < len(blocks) else None
+            prev = blocks[k - 1] if k > 0 else None
+            m.register_forward_pre_hook(self._pre_forward_hook(u, nxt))
+            m.register_forward_hook(self._post_forward_hook(u, prev))
+
+    def _pre_forward_hook(self, u, nxt):
+        def hook(module, args):
+            self._gather(u, wait=True)
+            if nxt is not None:
+                self._gather(nxt, wait=False)  # prefetch
+        return hook
+
+    def _post_forward_hook(self, u, prev):
+        def pre_backward(grad):
+            self._gather(u, wait=True)
+            if prev is not None:
+                self._gather(prev, wait=False)  # prefetch, backward runs the blocks in reverse
+            return None
+
+        def hook(module, args, output):
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(pre_backward)
+            self._free(u)
+        return hook
+
+    # -- Contract 4 and memory ----------------------------------------------------------------
+    def snapshot(self, what: str = "param") -> list:
+        """Contract 4: [(reference name, full shape, (start, stop), CPU float64 copy)] of this
+        rank's master weights (`what`="param") or reduced gradients ("grad"): elements
+        [start, stop) of each flattened reference parameter it holds."""
+        out = []
+        for u in self.units:
+            src = u.master if what == "param" else self._local_grad(u)
+            src = src.detach().to("cpu", torch.float64)
+            if what == "grad" and self.scaler:
+                src = src / self.scaler.scale
+            for name, shape, a, b, loc in u.owned():
+                out.append((name, shape, (a, b), src[loc:loc + b - a].clone()))
+        return out
+
+    def model_states(self) -> dict:
+        """Bytes this rank holds now: parameters (compute copies: full flat buffers at stages
+        0-2, the rank's shard at stage 3, plus any unit gathered now), gradients (full at
+        stages 0-1, the shard at 2-3) and optimizer states (AdamW's, and the master weights
+        where they are a separate copy)."""
+        params = [u.flat for u in self.units if u.gathered] + [u.param_shard for u in self.units
+                                                                if u.param_shard is not None]
+        grads = [u.grad_flat if self.stage < 2 else u.grad_shard for u in self.units]
+        held = {storage_id(t) for t in params}
+        states = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        masters = [u.master for u in self.units if storage_id(u.master) not in held]
+        return {"parameters": storage_bytes(params), "gradients": storage_bytes(grads),
+                "optimizer": storage_bytes(states + masters)}
