@@ -144,9 +144,13 @@ def memory_table(res) -> str:
         rows.append(row + ([f"{100 * m['peak_total'] / capacity:.2f}%"] if hw else []))
     header = ["", "parameters", "gradients", "optimizer", "activations", "comm buffers", "peak total"]
     note = "activations as saved for backward" if hw else "activations with --hardware"
+    cuda = [f"rank {r}: {human_bytes(v['cuda_peak_allocated'])}" for r, v in enumerate(res.values)
+            if v and "cuda_peak_allocated" in v]
     return (f"\nmemory per rank (after the last step; peaks for activations and communication buffers; model states "
             f"measured from the tensors; {note}):\n"
-            + table(header + ([f"of {human_bytes(capacity)}"] if hw else []), rows, left=1))
+            + table(header + ([f"of {human_bytes(capacity)}"] if hw else []), rows, left=1)
+            + (f"\nmeasured peak allocated by torch.cuda (everything, activations included): {', '.join(cuda)}"
+               if cuda else ""))
 
 
 def check_summary(rep, verbose: bool = True) -> str:

@@ -59,6 +59,8 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
     # model states and communication buffers are always accounted (cheap); activations,
     # which hook every tensor autograd saves, only with simulated time (--hardware)
     memory = MemoryTracker()
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
     strategy = build(run, mesh, device, memory)
     source = source or make_source(run.data, cfg.vocab_size, run.seed)
     rows = layout.global_batch // layout.dp
@@ -101,6 +103,8 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
                         tok_s=f"{run.tokens_per_step / out['step_times'][-1]:,.0f}")
         bar.update()
     bar.close()
+    if device.startswith("cuda"):  # to hold the accounting against what the allocator saw
+        out["cuda_peak_allocated"] = torch.cuda.max_memory_allocated()
     if collect:
         out["weights"] = strategy.pieces("param")
     return out
