@@ -61,6 +61,7 @@ class Zero:
         self.model = GPT(run.model, seed=run.seed, dtype=master, device=device)
         self.engine = ZeroDataParallel(self.model, dp, run.layout.zero, lr=run.lr, betas=run.betas,
                                        weight_decay=run.weight_decay, compute_dtype=DTYPES[run.dtype],
+                                       reduce_dtype=DTYPES[run.reduce_dtype] if run.reduce_dtype else None,
                                        memory=memory)
         self.params = list(self.model.parameters())
         self.autocast = contextlib.nullcontext()

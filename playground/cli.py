@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, help="AdamW learning rate (default: the preset's, e.g. 3e-3 tiny, 3e-4 350m)")
     t.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                    help="bfloat16: float32 weights with bf16 autocast compute")
+    t.add_argument("--reduce-dtype", choices=sorted(DTYPES),
+                   help="ZeRO: the dtype gradients are reduced in (default: the compute dtype of --dtype)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--data", help="'markov' (default: synthetic, known loss floor), a text file, or tokens "
                                   "(.npy, or .bin of uint16)")
@@ -77,6 +79,7 @@ def run_config(args, default_steps: int) -> RunConfig:
         raise ValueError("--trace needs --hardware: without a profile there is no simulated time to draw")
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.model]
     return RunConfig(model=cfg, layout=layout, steps=args.steps or default_steps, lr=lr, dtype=args.dtype,
+                     reduce_dtype=args.reduce_dtype,
                      seed=args.seed, data=args.data, bucket_cap_mb=args.bucket_mb, backend=args.backend,
                      progress=not args.no_progress, hardware=args.hardware,
                      count_every_step=args.count_every_step)

@@ -24,6 +24,7 @@ class RunConfig:
     # bfloat16: float32 weights, bf16 compute (DDP: under autocast; ZeRO: bf16 compute copies);
     # float16: ZeRO's fp16 compute copies with dynamic loss scaling (stage 0 without --zero)
     dtype: str = "float32"
+    reduce_dtype: str | None = None  # ZeRO: the dtype gradients are reduced in (None: the compute dtype)
     seed: int = 0
     data: str | None = None  # None/"markov", or a path
     bucket_cap_mb: float = 25.0
@@ -40,6 +41,10 @@ class RunConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(DTYPES)}")
+        if self.reduce_dtype is not None and self.reduce_dtype not in DTYPES:
+            raise ValueError(f"reduce_dtype={self.reduce_dtype!r}: choose one of {sorted(DTYPES)}")
+        if self.reduce_dtype is not None and not self.layout.zero and self.dtype != "float16":
+            raise ValueError(f"--reduce-dtype {self.reduce_dtype} applies to ZeRO's gradient reductions: add --zero 1|2|3")
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.hardware is not None and self.backend != "sim":

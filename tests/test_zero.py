@@ -164,3 +164,15 @@ def test_float16_with_dynamic_loss_scaling_skips_overflows_then_trains():
     assert losses[first] == pytest.approx(losses[0])  # skipped steps changed nothing
     assert losses[-1] < losses[first] - 0.1
     assert math.isfinite(losses[-1])
+
+
+def test_gradients_reduced_in_float32_under_bfloat16_compute():
+    run = _run(2, 2, "bfloat16", microbatches=1, steps=2, reduce_dtype="float32")
+    rep = check(run)
+    assert rep.passed, [r for r in rep.rows if not r.ok]
+    res = train(run)
+    grads = [e for e in res.ledger.for_rank(0) if e.label.startswith("zero.grads")]
+    params = [e for e in res.ledger.for_rank(0) if e.label.startswith("zero.params")]
+    assert {e.dtype for e in grads} == {"float32"} and {e.dtype for e in params} == {"bfloat16"}
+    with pytest.raises(ValueError, match="--reduce-dtype float32 applies to ZeRO"):
+        _run(0, 2, "bfloat16", reduce_dtype="float32")
