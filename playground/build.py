@@ -19,13 +19,15 @@ from ddp import DistributedDataParallel
 from model import GPT
 from zero import ZeroDataParallel
 
+from tensor_parallel import ParallelGPT
+
 from .run_config import DTYPES
 from .shards import Piece, snapshot, whole_pieces
 
 
 class DataParallel:
-    def __init__(self, run, dp, device, memory=None):
-        self.model = GPT(run.model, seed=run.seed, dtype=run.param_dtype, device=device)
+    def __init__(self, run, dp, device, memory=None, model=None):
+        self.model = model or GPT(run.model, seed=run.seed, dtype=run.param_dtype, device=device)
         self.ddp = DistributedDataParallel(self.model, dp, bucket_cap_mb=run.bucket_cap_mb)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=run.lr, betas=run.betas,
                                            weight_decay=run.weight_decay)
@@ -53,6 +55,27 @@ class DataParallel:
     def model_states(self) -> dict:
         from collectives.memory import MemoryTracker  # noqa: PLC0415
         return MemoryTracker.model_states(self.model, self.optimizer)
+
+
+class TensorParallel(DataParallel):
+    """Megatron TP (with --sp, sequence parallelism) inside each DP replica; DDP over dp."""
+
+    def __init__(self, run, mesh, device, memory=None):
+        model = ParallelGPT(run.model, mesh.group("tp"), run.layout.sequence_parallel, seed=run.seed,
+                            dtype=run.param_dtype, device=device)
+        super().__init__(run, mesh.group("dp"), device, memory, model=model)
+
+    def pieces(self, what: str) -> list:
+        out = []
+        for name, p in self.model.named_parameters():
+            t = p if what == "param" else p.grad
+            if t is None:
+                continue
+            index = getattr(p, "tp_index", None)
+            piece = Piece(name, p.tp_full_shape, index) if index is not None else Piece(name, tuple(p.shape))
+            t = t[p.tp_rows] if index is not None else t
+            out.append((piece, t.detach().to("cpu", torch.float64).clone()))
+        return out
 
 
 class Zero:
@@ -86,5 +109,7 @@ class Zero:
 
 
 def build(run, mesh, device, memory=None):
+    if run.layout.tp > 1 or run.layout.sequence_parallel:
+        return TensorParallel(run, mesh, device, memory)
     cls = Zero if run.layout.zero or run.dtype == "float16" else DataParallel
     return cls(run, mesh.group("dp"), device, memory)

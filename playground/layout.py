@@ -16,11 +16,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
 
 # strategy flags that parse and validate but whose implementation lands later
 NOT_BUILT = {
-    "tp": "tensor parallelism (issue 6)",
     "pp": "pipeline parallelism (issue 7)",
     "cp": "context parallelism (ring attention / Ulysses)",
     "ep": "expert parallelism (mixture of experts)",
-    "sequence_parallel": "sequence parallelism (issue 6)",
 }
 
 
@@ -116,6 +114,14 @@ class Layout:
                               f"got {self.microbatches}")
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("sequence_parallel needs tp > 1")
+        if self.tp > 1 and c.d_ff % self.tp:
+            raise LayoutError(f"d_ff={c.d_ff} is not divisible by tp={self.tp}; "
+                              f"tp could be one of {[d for d in _divisors(c.d_ff) if c.n_heads % d == 0]}")
+        if self.sequence_parallel and c.seq_len % self.tp:
+            raise LayoutError(f"sequence parallelism splits seq_len={c.seq_len} over tp={self.tp}: not divisible")
+        if self.tp > 1 and self.zero:
+            raise LayoutError(f"zero={self.zero} with tp={self.tp}: ZeRO over a tensor-parallel model is not built "
+                              f"yet; use one of them")
         for name, what in NOT_BUILT.items():
             value = getattr(self, name)
             if value not in (1, 0, False):

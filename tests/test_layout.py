@@ -29,7 +29,8 @@ def test_from_counts_errors(kw, message):
     (Layout(pp=2, microbatches=1), r"needs microbatches >= pp, got 1"),
     (Layout(virtual_stages=2), r"virtual_stages=2 needs schedule='interleaved'"),
     (Layout(sequence_parallel=True), r"sequence_parallel needs tp > 1"),
-    (Layout(tp=2), r"tp=2: tensor parallelism \(issue 6\) is not built yet"),
+    (Layout(tp=2, zero=1), r"zero=1 with tp=2: ZeRO over a tensor-parallel model is not built yet"),
+    (Layout(pp=2, microbatches=2), r"pp=2: pipeline parallelism \(issue 7\) is not built yet"),
     (Layout(zero=4, dp=2), r"zero=4: choose 0, 1, 2 or 3"),
     (Layout(schedule="zz"), r"schedule='zz': choose one of"),
 ])
