@@ -6,9 +6,10 @@ Model states are measured from the tensors themselves (each storage counted once
 DDP's gradient views into its buckets count as the buckets): `MemoryTracker.model_states`
 gives exactly the bytes those tensors hold. Activations are followed as autograd saves
 them: a thread-local `saved_tensors_hooks` wraps each saved tensor in a handle that adds
-its storage's bytes when saved and removes them when autograd frees it (the handle's
-`__del__`), so the current and the peak bytes saved for backward are known at every
-moment; parameters saved for backward (a matmul's weight) are not activations and are
+its storage's bytes when the first tensor of that storage is saved and removes them when
+autograd frees the last one (the handles' `__del__`): a storage saved by several ops, or
+through several views, counts once, as it occupies memory once. So the current and the
+peak bytes saved for backward are known at every moment; parameters saved for backward (a matmul's weight) are not activations and are
 skipped. Communication buffers are what a strategy registers (`comm_buffers`): none for
 DDP, whose buckets are the gradients.
 """
@@ -37,16 +38,27 @@ def storage_bytes(tensors) -> int:
 
 
 class _Saved:
-    __slots__ = ("tensor", "nbytes", "tracker")
+    """A tensor autograd saved, counted once per storage: several ops saving the same
+    tensor (or views of one storage) hold its bytes once, until the last of them is freed."""
+    __slots__ = ("tensor", "key", "tracker")
 
-    def __init__(self, tensor, nbytes, tracker):
-        self.tensor, self.nbytes, self.tracker = tensor, nbytes, tracker
+    def __init__(self, tensor, key, nbytes, tracker):
+        self.tensor, self.key, self.tracker = tensor, key, tracker
+        held = tracker._held
+        if key in held:
+            held[key][1] += 1
+            return
+        held[key] = [nbytes, 1]
         tracker.activations += nbytes
         tracker.peak_activations = max(tracker.peak_activations, tracker.activations)
         tracker._transient_changed()
 
     def __del__(self):
-        self.tracker.activations -= self.nbytes
+        entry = self.tracker._held[self.key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.tracker._held[self.key]
+            self.tracker.activations -= entry[0]
 
 
 class MemoryTracker:
@@ -57,6 +69,7 @@ class MemoryTracker:
         self.peak_comm_buffers = 0
         self.peak_transient = 0  # the peak of activations + communication buffers together
         self._exclude: set = set()
+        self._held: dict = {}  # storage id -> [bytes, how many saved tensors hold it]
 
     def _transient_changed(self) -> None:
         self.peak_transient = max(self.peak_transient, self.activations + self.comm_buffers)
@@ -78,7 +91,7 @@ class MemoryTracker:
             s = t.untyped_storage()
             if s._cdata in self._exclude:
                 return t
-            return _Saved(t, s.nbytes(), self)
+            return _Saved(t, s._cdata, s.nbytes(), self)
 
         def unpack(x):
             return x.tensor if isinstance(x, _Saved) else x

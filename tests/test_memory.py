@@ -45,9 +45,9 @@ def test_activations_are_linear_in_the_batch_and_freed_by_backward():
         assert during == peak > 0 and after == 0
         peaks[b] = peak
     per_sequence = peaks[2] - peaks[1]
-    # linear up to a few bytes (measured: 16 more at batch 4 than at 2, a small tensor some
-    # kernel saves); the rest is batch-independent (the RoPE tables)
-    assert abs((peaks[4] - peaks[2]) - 2 * per_sequence) <= 64
+    # linear up to a few hundred bytes (measured 512 of 845 KB: small tensors some kernels
+    # save, counted by their storage); the rest is batch-independent (the RoPE tables)
+    assert abs((peaks[4] - peaks[2]) - 2 * per_sequence) <= 1e-3 * peaks[4]
     assert 0 < peaks[1] - per_sequence < per_sequence
 
 
