@@ -87,3 +87,12 @@ def test_zero_train_and_check():
     p = run("check", "--dp", "2", "--zero", "2", "--dtype", "float64", "--microbatches", "2")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "PASS" in p.stdout and "zero=2" in p.stdout
+
+
+def test_tensor_parallel_train_and_check():
+    p = run("check", "--tp", "2", "--sp", "--dp", "2", "--dtype", "float64")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "PASS" in p.stdout
+    p = run("train", "--tp", "4", "--steps", "2", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    assert "tp.attn.g" in p.stdout and "tp.xent.sumexp" in p.stdout
