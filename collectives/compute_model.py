@@ -91,3 +91,12 @@ class ComputeModel(TorchDispatchMode):
         else:
             yield self
         self.clock.end_step()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Run a block with op counting off (its time is then the caller's to charge, as
+        the pipeline benchmark does with fixed stage costs)."""
+        if _get_current_dispatch_mode() is not self:
+            raise RuntimeError("pausing needs the compute model on top of the dispatch-mode stack")
+        with _pop_mode_temporarily():
+            yield self

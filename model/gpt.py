@@ -116,6 +116,11 @@ class GPT(nn.Module):
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits
-        # the loss in at least float32: bf16/fp16 logits (ZeRO's compute copies) would round it
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return lm_loss(logits, targets)
+
+
+def lm_loss(logits, targets):
+    """Mean cross-entropy over all tokens, in at least float32 (bf16/fp16 logits, as ZeRO's
+    compute copies give, would round it)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

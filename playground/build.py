@@ -14,11 +14,13 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch import nn
 
 from ddp import DistributedDataParallel
 from model import GPT
 from zero import ZeroDataParallel
 
+from pipeline import PipelineExecutor, PipelineStage, build_schedule, partition
 from tensor_parallel import ParallelGPT
 
 from .run_config import DTYPES
@@ -108,7 +110,50 @@ class Zero:
         return self.engine.model_states()
 
 
+class Pipeline:
+    """Pipeline parallelism over the pp axis (each rank v model chunks), DDP per chunk over
+    dp. Runs a whole step of microbatches itself (`run_step`) through the executor."""
+
+    def __init__(self, run, mesh, device, memory=None, unit_costs=None):
+        layout, cfg = run.layout, run.model
+        self.pp, self.dp = mesh.group("pp"), mesh.group("dp")
+        p, v, r = layout.pp, layout.virtual_stages, self.pp.rank
+        ranges = partition(cfg.n_layers, p * v, layout.stage_layers)
+        stages = [c * p + r for c in range(v)]
+        self.chunks = [PipelineStage(cfg, ranges[s], s == 0, s == p * v - 1, seed=run.seed, dtype=run.param_dtype,
+                                     device=device) for s in stages]
+        self.ddps = [DistributedDataParallel(ch, self.dp, bucket_cap_mb=run.bucket_cap_mb, label=f"ddp.stage{s}")
+                     for ch, s in zip(self.chunks, stages)]
+        self.params = [q for ch in self.chunks for q in ch.parameters()]
+        self.optimizer = torch.optim.AdamW(self.params, lr=run.lr, betas=run.betas, weight_decay=run.weight_decay)
+        actions = build_schedule(layout.schedule, p, layout.microbatches, v)[r]
+        self.executor = PipelineExecutor(self.chunks, self.pp, actions, v, ddps=self.ddps, unit_costs=unit_costs,
+                                         hidden_dtype=run.param_dtype)
+        self.autocast = (torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16)
+                         if run.dtype == "bfloat16" else contextlib.nullcontext())
+
+    def run_step(self, micro, tracking):
+        with tracking(), self.autocast:
+            total = self.executor.run([mb[:, :-1] for mb in micro], [mb[:, 1:] for mb in micro])
+        # the loss is on the last stage's rank: every rank of the pipeline reports it
+        self.pp.broadcast(total, src=self.pp.size - 1, label="metrics.loss_pp")
+        return total
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def pieces(self, what: str) -> list:
+        return [x for ch in self.chunks for x in snapshot(ch, whole_pieces(ch), what)]
+
+    def model_states(self) -> dict:
+        from collectives.memory import MemoryTracker  # noqa: PLC0415
+        return MemoryTracker.model_states(nn.ModuleList(self.chunks), self.optimizer)
+
+
 def build(run, mesh, device, memory=None):
+    if run.layout.pp > 1:
+        return Pipeline(run, mesh, device, memory)
     if run.layout.tp > 1 or run.layout.sequence_parallel:
         return TensorParallel(run, mesh, device, memory)
     cls = Zero if run.layout.zero or run.dtype == "float16" else DataParallel

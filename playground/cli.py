@@ -26,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--microbatches", type=int, default=1, help="microbatches per step per DP rank "
                                                                 "(gradient accumulation)")
     g.add_argument("--micro-batch-size", type=int, default=4, help="sequences per microbatch (default 4)")
-    g.add_argument("--virtual-stages", type=int, default=1)
+    g.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
+    g.add_argument("--stage-layers", help="blocks per pipeline stage, comma-separated (default: even), e.g. 1,3")
     t = common.add_argument_group("training")
     t.add_argument("--steps", type=int)
     t.add_argument("--lr", type=float, help="AdamW learning rate (default: the preset's, e.g. 3e-3 tiny, 3e-4 350m)")
@@ -62,6 +63,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _stage_layers(text):
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise LayoutError(f"--stage-layers {text!r}: give comma-separated block counts, e.g. 1,3") from None
+
+
 def run_config(args, default_steps: int) -> RunConfig:
     world = args.world
     if world is None and args.backend == "torch" and "WORLD_SIZE" in os.environ:
@@ -69,7 +79,8 @@ def run_config(args, default_steps: int) -> RunConfig:
     layout = Layout.from_counts(
         world=world, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
         schedule=args.schedule, microbatches=args.microbatches, virtual_stages=args.virtual_stages,
-        sequence_parallel=args.sp, micro_batch_size=args.micro_batch_size)
+        sequence_parallel=args.sp, micro_batch_size=args.micro_batch_size,
+        stage_layers=_stage_layers(args.stage_layers))
     cfg = preset(args.model)
     layout.validate(cfg)
     if args.hardware:

@@ -16,7 +16,6 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
 
 # strategy flags that parse and validate but whose implementation lands later
 NOT_BUILT = {
-    "pp": "pipeline parallelism (issue 7)",
     "cp": "context parallelism (ring attention / Ulysses)",
     "ep": "expert parallelism (mixture of experts)",
 }
@@ -43,6 +42,7 @@ class Layout:
     virtual_stages: int = 1
     sequence_parallel: bool = False
     micro_batch_size: int = 1
+    stage_layers: tuple | None = None  # blocks per pipeline stage (pp·virtual_stages of them); None: even
 
     @property
     def world(self) -> int:
@@ -94,7 +94,11 @@ class Layout:
             raise LayoutError(f"n_heads={c.n_heads} is not divisible by tp={self.tp}; "
                               f"tp could be one of {_divisors(c.n_heads)}")
         stages = self.pp * self.virtual_stages
-        if c.n_layers % stages:
+        if self.stage_layers is not None:
+            if len(self.stage_layers) != stages or sum(self.stage_layers) != c.n_layers or min(self.stage_layers) < 1:
+                raise LayoutError(f"stage_layers={list(self.stage_layers)}: give {stages} positive block counts "
+                                  f"(pp·virtual_stages) summing to n_layers={c.n_layers}")
+        elif c.n_layers % stages:
             raise LayoutError(f"n_layers={c.n_layers} is not divisible by pp·virtual_stages = {self.pp}·"
                               f"{self.virtual_stages} = {stages}; stage counts that fit: {_divisors(c.n_layers)}")
         if self.cp > 1 and c.seq_len % (2 * self.cp):
@@ -109,9 +113,15 @@ class Layout:
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise LayoutError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved', "
                               f"got {self.schedule!r}")
-        if self.pp > 1 and self.schedule in ("1f1b", "interleaved", "zb1") and self.microbatches < self.pp:
-            raise LayoutError(f"schedule {self.schedule!r} with pp={self.pp} needs microbatches >= pp, "
-                              f"got {self.microbatches}")
+        if self.pp > 1:
+            from pipeline import ScheduleError, build_schedule  # noqa: PLC0415 - the schedule says what it allows
+            try:
+                build_schedule(self.schedule, self.pp, self.microbatches, self.virtual_stages)
+            except ScheduleError as e:
+                raise LayoutError(f"pp={self.pp}, schedule {self.schedule!r}: {e}") from None
+            if self.tp > 1 or self.zero or self.cp > 1:
+                raise LayoutError(f"pp={self.pp} with tp={self.tp}, zero={self.zero}, cp={self.cp}: pipelines compose "
+                                  f"with dp only in this version")
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("sequence_parallel needs tp > 1")
         if self.tp > 1 and c.d_ff % self.tp:

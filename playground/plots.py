@@ -4,7 +4,9 @@
   streams (needs --hardware);
 - bytes.png: bytes sent per rank per step, stacked by ledger label family;
 - memory.png: peak memory per rank by category (needs --hardware);
-- loss.png: the loss curve against the source's floor.
+- loss.png: the loss curve against the source's floor;
+- schedule.png: with --pp, the pipeline schedule as the classic picture (ranks by time,
+  forward and backward boxes numbered by microbatch, equal stage costs).
 """
 from __future__ import annotations
 
@@ -99,9 +101,45 @@ def loss(res, path: str) -> None:
     plt.close(fig)
 
 
+KIND_COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#8FBC8F", "W": "#C4A000"}
+
+
+def pipeline_schedule(res, path: str) -> None:
+    """The classic picture of the run's schedule: one row per pipeline rank, each compute
+    action a box labelled with its microbatch (and chunk), placed by `timeline` with equal
+    stage costs; white gaps are the bubble."""
+    from pipeline import build_schedule  # noqa: PLC0415
+    from pipeline.schedules import timeline as schedule_timeline  # noqa: PLC0415
+    layout = res.run.layout
+    p, v = layout.pp, layout.virtual_stages
+    spans = schedule_timeline(build_schedule(layout.schedule, p, layout.microbatches, v), p, v)
+    end = max(e for row in spans for _, _, e in row)
+    fig, ax = plt.subplots(figsize=(min(4 + end * 0.45, 24), 1.0 + 0.6 * p))
+    for r, row in enumerate(spans):
+        y = p - 1 - r
+        for a, start, stop in row:
+            ax.broken_barh([(start, stop - start)], (y - 0.4, 0.8), facecolor=KIND_COLORS[a.kind], edgecolor="white")
+            ax.text((start + stop) / 2, y, f"{a.kind}{a.microbatch}" + (f".{a.chunk}" if v > 1 else ""),
+                    ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(p))
+    ax.set_yticklabels([f"rank {p - 1 - i}" for i in range(p)])
+    ax.set_xlabel("time (units: one forward of a whole stage)")
+    bubble = 1 - sum(e - s for row in spans for _, s, e in row) / (p * end)
+    ax.set_title(f"{layout.schedule}: pp={p}, {layout.microbatches} microbatches"
+                 + (f", {v} chunks per rank" if v > 1 else "")
+                 + f"; F forward, B backward (I input grad, W weight grad); bubble {bubble:.0%}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write_plots(res, directory: str) -> list:
     os.makedirs(directory, exist_ok=True)
     written = []
+    if res.run.layout.pp > 1:
+        path = os.path.join(directory, "schedule.png")
+        pipeline_schedule(res, path)
+        written.append(path)
     for name, fn, needs_time in (("loss.png", loss, False), ("bytes.png", bytes_by_label, False),
                                  ("timeline.png", timeline, True), ("memory.png", memory, True)):
         if needs_time and not res.clocks:

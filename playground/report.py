@@ -5,7 +5,10 @@ import re
 
 from collectives.ledger import Totals, human_bytes
 
-SETUP_LABELS = ("ddp.broadcast",)  # once per run, not per step
+def _setup(label: str) -> bool:
+    """Calls made once per run, not per step: DDP's initial broadcast of the weights
+    (`ddp.broadcast`, `ddp.stage3.broadcast`)."""
+    return label.startswith("ddp") and label.endswith(".broadcast")
 
 
 def table(header, rows, left: int = 2) -> str:
@@ -66,7 +69,7 @@ def bytes_per_step(ledger, steps: int) -> str:
     rows = []
     for sig, ranks in sorted(by_signature.items(), key=lambda kv: kv[1][0]):
         for label, calls, sent, recv in sig:
-            per = 1 if label in SETUP_LABELS else steps
+            per = 1 if _setup(label) else steps
             rows.append([_rank_ranges(ranks), label + (" (setup, once)" if per == 1 else ""),
                          f"{calls / per:g}", human_bytes(sent / per), human_bytes(recv / per)])
     return table(["ranks", "label", "calls/step", "sent/step", "received/step"], rows)
@@ -98,6 +101,8 @@ def train_summary(res) -> str:
     lines.append(f"throughput: {res.tokens_per_s:,.0f} tokens/s (median step, wall clock, "
                  f"{len(res.losses)} steps in {res.wall_s:.1f} s end to end), "
                  f"{tflops:.3g} model TFLOP/s per rank")
+    if run.layout.pp > 1:
+        lines.append(schedule_table(run.layout))
     if run.hardware:
         lines.append(simulated_time(res))
     if res.values[0].get("memory"):
@@ -105,6 +110,15 @@ def train_summary(res) -> str:
     lines.append("\ncommunication per rank per step (from the ledger):")
     lines.append(bytes_per_step(res.ledger, len(res.losses)))
     return "\n".join(lines)
+
+
+def schedule_table(layout) -> str:
+    """The pipeline schedule each rank runs, as a table (compute actions; long ones cut)."""
+    from pipeline import build_schedule, table as schedule_text  # noqa: PLC0415
+    text = schedule_text(build_schedule(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages))
+    lines = [ln if len(ln) <= 160 else ln[:157] + "..." for ln in text.splitlines()]
+    return (f"\npipeline schedule {layout.schedule} (F forward, B backward, I input grad, W weight grad; "
+            f"microbatch.chunk):\n" + "\n".join(lines))
 
 
 def simulated_time(res) -> str:

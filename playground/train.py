@@ -47,6 +47,21 @@ def _device(run: RunConfig) -> str:
     return "cpu"
 
 
+def _accumulate(strategy, micro, track, device):
+    """Forward and backward of each microbatch in turn, gradients accumulated (reduced at
+    the last one); returns the mean loss of the step."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for i, mb in enumerate(micro):
+        sync = i == len(micro) - 1
+        with contextlib.nullcontext() if sync else strategy.no_sync(), track():  # forward and backward
+            with strategy.autocast:
+                loss = strategy.forward(mb[:, :-1], mb[:, 1:]) / len(micro)
+            strategy.scale_loss(loss).backward()
+        total += loss.detach().double()
+        del loss  # the graph, and the activations it saved, go now
+    return total
+
+
 def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dict:
     """One rank's program. With `collect`, also returns the pieces of the gradients after
     the first backward and of the weights after the last step (for the equivalence check).
@@ -78,17 +93,12 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
             batch = source.global_batch(step, layout.global_batch, cfg.seq_len)
             local = batch[dp.rank * rows:(dp.rank + 1) * rows].to(device)
             micro = local.split(layout.micro_batch_size)
-            total = torch.zeros((), dtype=torch.float64, device=device)
-            for i, mb in enumerate(micro):
-                sync = i == len(micro) - 1
-                tracking = (memory.track_activations(exclude=strategy.params) if run.hardware and replay != "replay"
-                            else contextlib.nullcontext())  # a replayed step's activations are the recorded one's
-                with contextlib.nullcontext() if sync else strategy.no_sync(), tracking:  # forward and backward
-                    with strategy.autocast:
-                        loss = strategy.forward(mb[:, :-1], mb[:, 1:]) / len(micro)
-                    strategy.scale_loss(loss).backward()
-                total += loss.detach().double()
-                del loss  # the graph, and the activations it saved, go now
+            track = (lambda: memory.track_activations(exclude=strategy.params)) if run.hardware and replay != "replay" \
+                else contextlib.nullcontext  # a replayed step's activations are the recorded one's
+            if hasattr(strategy, "run_step"):  # a pipeline runs its microbatches by its schedule
+                total = strategy.run_step(micro, track)
+            else:
+                total = _accumulate(strategy, micro, track, device)
             if collect and step == 0:
                 out["grads"] = strategy.pieces("grad")
             strategy.step()

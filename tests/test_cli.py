@@ -96,3 +96,14 @@ def test_tensor_parallel_train_and_check():
     p = run("train", "--tp", "4", "--steps", "2", "--no-progress")
     assert p.returncode == 0, p.stderr
     assert "tp.attn.g" in p.stdout and "tp.xent.sumexp" in p.stdout
+
+
+def test_pipeline_train_with_schedule_table_and_plot(tmp_path):
+    p = run("train", "--pp", "2", "--microbatches", "4", "--schedule", "zb1", "--steps", "2", "--no-progress",
+            "--plots", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert "pipeline schedule zb1" in p.stdout and "rank 1: F0" in p.stdout and "pp.activations" in p.stdout
+    assert (tmp_path / "schedule.png").stat().st_size > 10_000
+    p = run("check", "--pp", "2", "--dp", "2", "--microbatches", "4", "--schedule", "interleaved",
+            "--virtual-stages", "2", "--model", "tiny", "--dtype", "float64")
+    assert p.returncode == 2 and "n_layers=2 is not divisible by pp·virtual_stages = 2·2 = 4" in p.stderr

@@ -1,0 +1,100 @@
+"""Pipeline parallelism (issue 7): every schedule against one device, with and without
+DDP; the bubble on the simulated clock against theory; activation memory per schedule."""
+import pytest
+
+from model import preset
+from pipeline import ScheduleError, build_schedule, makespan, table
+from pipeline.stage import partition
+from playground import Layout, LayoutError, RunConfig
+from playground.bubble import measure, theory
+from playground.check import check
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1", 1)]
+
+
+def _run(p, m, schedule, v=1, dp=1, dtype="float64", n_layers=None, **kw):
+    cfg = preset("tiny", n_layers=n_layers or p * v)
+    return RunConfig(model=cfg, layout=Layout(pp=p, dp=dp, schedule=schedule, virtual_stages=v, microbatches=m,
+                                              micro_batch_size=1, **kw), steps=2, dtype=dtype, progress=False)
+
+
+def _cases():
+    for schedule, v in SCHEDULES:
+        for p in (2, 3, 4):
+            for m in (1, p, 2 * p + 1):
+                yield schedule, v, p, m
+
+
+@pytest.mark.parametrize("schedule,v,p,m", list(_cases()))
+def test_every_schedule_matches_one_device(schedule, v, p, m):
+    run = _run(p, m, schedule, v)
+    if schedule == "interleaved" and m % p:
+        with pytest.raises(LayoutError, match=f"microbatches={m} is not a multiple of {p}"):
+            run.layout.validate(run.model)
+        return
+    rep = check(run)
+    assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+def test_pipeline_with_data_parallelism_and_float32(schedule, v):
+    rep = check(_run(2, 4, schedule, v, dp=2, dtype="float32"))
+    assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
+
+
+def test_uneven_stages_from_a_list():
+    assert partition(5, 2, (2, 3)) == [(0, 2), (2, 5)]
+    rep = check(_run(2, 3, "1f1b", n_layers=5, stage_layers=(1, 4)))
+    assert rep.passed
+
+
+def test_the_check_catches_gradients_received_in_the_wrong_order(monkeypatch):
+    """Rank 0 runs its backwards in reverse: it pairs each microbatch with another's
+    output gradient (same shapes), a silent bug only the equivalence check sees."""
+    import pipeline.schedules as sch
+    original = sch.one_f_one_b
+
+    def swapped(p, m, v=1):
+        rows = original(p, m, v)
+        bs = [a for a in rows[0] if a.kind == "B"]
+        it = iter(reversed(bs))
+        rows[0] = [next(it) if a.kind == "B" else a for a in rows[0]]
+        return rows
+    monkeypatch.setattr(sch, "one_f_one_b", swapped)
+    rep = check(_run(2, 2, "1f1b"))
+    assert not rep.passed
+
+
+def test_schedules_print_as_tables():
+    text = table(build_schedule("1f1b", 3, 4))
+    assert text.splitlines()[0].split()[2:] == ["F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"]
+    assert text.splitlines()[2].split()[2:] == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]
+    with pytest.raises(ScheduleError, match="needs virtual stages v >= 2"):
+        build_schedule("interleaved", 2, 2, 1)
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+@pytest.mark.parametrize("m", [4, 8])
+def test_bubble_on_the_simulated_clock_matches_theory(schedule, v, m):
+    """Equal stage costs (F = 1 ms, B = 2 ms; ZB-H1: I = W = 1 ms): the bubble measured from
+    the simulated clock, sends and receives included, against (p−1)/(m+p−1) for GPipe and
+    1F1B, (p−1)/(v·m+p−1) interleaved; ZB-H1's bubble is a third of 1F1B's."""
+    p = 4
+    measured = measure(_run(p, m, schedule, v, n_layers=8))["bubble"]
+    assert measured == pytest.approx(theory(schedule, p, m, v), abs=0.005)
+    if schedule == "zb1":
+        step_zb = makespan(build_schedule("zb1", p, m), p)
+        step_1f1b = makespan(build_schedule("1f1b", p, m), p)
+        assert step_zb - 3 * m == pytest.approx((step_1f1b - 3 * m) / 3)
+
+
+def test_activation_memory_gpipe_holds_m_microbatches_1f1b_at_most_p():
+    p = 4
+    one = measure(_run(p, 1, "gpipe", n_layers=4))["peak_activations"][0]  # one microbatch on stage 0
+    for m in (4, 8):
+        gpipe = measure(_run(p, m, "gpipe", n_layers=4))["peak_activations"]
+        ofob = measure(_run(p, m, "1f1b", n_layers=4))["peak_activations"]
+        assert gpipe[0] == pytest.approx(m * one, rel=0.01)
+        assert ofob[0] == pytest.approx(p * one, rel=0.01)
+        for r in range(p - 1):  # stage r holds p − r microbatches (the last stage adds the head's activations)
+            assert ofob[r] == pytest.approx((p - r) * one, rel=0.01)
