@@ -12,7 +12,6 @@ import sys
 from dataclasses import dataclass, field
 
 from .algorithms import algorithm_of, ring_bytes
-from .buffers import Buffer
 from .ledger import LedgerEntry
 from .reduce_op import ReduceOp
 

@@ -6,8 +6,10 @@ per strategy with the interface the training loop drives.
     params (excluded from activations)    autocast
 
 `DataParallel` is DDP with torch's AdamW (`--dtype bfloat16`: float32 weights under bf16
-autocast); `Zero` is ZeRO stage 0-3 (`--dtype bfloat16|float16`: compute copies in that
-dtype, float32 master weights and optimizer states; float16 with dynamic loss scaling).
+autocast); `TensorParallel` the Megatron-split GPT with DDP over dp; `Zero` is ZeRO stage
+0-3 (`--dtype bfloat16|float16`: compute copies in that dtype, float32 master weights and
+optimizer states; float16 with dynamic loss scaling); `Pipeline` runs a whole step of
+microbatches by its schedule (`run_step` instead of forward/backward per microbatch).
 """
 from __future__ import annotations
 
@@ -16,12 +18,12 @@ import contextlib
 import torch
 from torch import nn
 
+from collectives.memory import MemoryTracker
 from ddp import DistributedDataParallel
 from model import GPT
-from zero import ZeroDataParallel
-
 from pipeline import PipelineExecutor, PipelineStage, build_schedule, partition
 from tensor_parallel import ParallelGPT
+from zero import ZeroDataParallel
 
 from .run_config import DTYPES
 from .shards import Piece, snapshot, whole_pieces
@@ -55,7 +57,6 @@ class DataParallel:
         return snapshot(self.model, self._pieces, what)
 
     def model_states(self) -> dict:
-        from collectives.memory import MemoryTracker  # noqa: PLC0415
         return MemoryTracker.model_states(self.model, self.optimizer)
 
 
@@ -147,7 +148,6 @@ class Pipeline:
         return [x for ch in self.chunks for x in snapshot(ch, whole_pieces(ch), what)]
 
     def model_states(self) -> dict:
-        from collectives.memory import MemoryTracker  # noqa: PLC0415
         return MemoryTracker.model_states(nn.ModuleList(self.chunks), self.optimizer)
 
 

@@ -86,6 +86,8 @@ def run_config(args, default_steps: int) -> RunConfig:
     if args.hardware:
         from collectives.hardware import load_hardware
         load_hardware(args.hardware)  # an unknown profile fails here, before any work
+    if getattr(args, "plots", None) and os.path.exists(args.plots) and not os.path.isdir(args.plots):
+        raise ValueError(f"--plots {args.plots}: exists and is not a folder")
     if args.trace and not args.hardware:
         raise ValueError("--trace needs --hardware: without a profile there is no simulated time to draw")
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.model]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
+from pipeline import SCHEDULES, ScheduleError, build_schedule
 
 # strategy flags that parse and validate but whose implementation lands later
 NOT_BUILT = {
@@ -62,6 +62,11 @@ class Layout:
     def describe(self) -> str:
         axes = " × ".join(f"{k}={v}" for k, v in self.mesh_axes().items() if v > 1) or "1 rank"
         extra = [f"zero={self.zero}"] if self.zero else []
+        if self.sequence_parallel:
+            extra.append("sequence parallel")
+        if self.pp > 1:
+            extra.append(f"schedule {self.schedule}" + (f" with {self.virtual_stages} chunks per rank"
+                                                        if self.virtual_stages > 1 else ""))
         if self.microbatches > 1:
             extra.append(f"{self.microbatches} microbatches")
         return f"{axes} (world {self.world})" + (", " + ", ".join(extra) if extra else "")
@@ -114,8 +119,7 @@ class Layout:
             raise LayoutError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved', "
                               f"got {self.schedule!r}")
         if self.pp > 1:
-            from pipeline import ScheduleError, build_schedule  # noqa: PLC0415 - the schedule says what it allows
-            try:
+            try:  # the schedule says which microbatch counts it allows
                 build_schedule(self.schedule, self.pp, self.microbatches, self.virtual_stages)
             except ScheduleError as e:
                 raise LayoutError(f"pp={self.pp}, schedule {self.schedule!r}: {e}") from None

@@ -18,6 +18,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from pipeline import build_schedule  # noqa: E402
+from pipeline.schedules import timeline as schedule_timeline  # noqa: E402
+
 COLORS = {"compute": "#4C72B0", "comm": "#DD8452"}
 
 
@@ -108,8 +111,6 @@ def pipeline_schedule(res, path: str) -> None:
     """The classic picture of the run's schedule: one row per pipeline rank, each compute
     action a box labelled with its microbatch (and chunk), placed by `timeline` with equal
     stage costs; white gaps are the bubble."""
-    from pipeline import build_schedule  # noqa: PLC0415
-    from pipeline.schedules import timeline as schedule_timeline  # noqa: PLC0415
     layout = res.run.layout
     p, v = layout.pp, layout.virtual_stages
     spans = schedule_timeline(build_schedule(layout.schedule, p, layout.microbatches, v), p, v)

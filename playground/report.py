@@ -4,6 +4,8 @@ from __future__ import annotations
 import re
 
 from collectives.ledger import Totals, human_bytes
+from pipeline import build_schedule
+from pipeline import table as schedule_text
 
 def _setup(label: str) -> bool:
     """Calls made once per run, not per step: DDP's initial broadcast of the weights
@@ -114,7 +116,6 @@ def train_summary(res) -> str:
 
 def schedule_table(layout) -> str:
     """The pipeline schedule each rank runs, as a table (compute actions; long ones cut)."""
-    from pipeline import build_schedule, table as schedule_text  # noqa: PLC0415
     text = schedule_text(build_schedule(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages))
     lines = [ln if len(ln) <= 160 else ln[:157] + "..." for ln in text.splitlines()]
     return (f"\npipeline schedule {layout.schedule} (F forward, B backward, I input grad, W weight grad; "
