@@ -8,10 +8,16 @@
   so the gradients of the step are those of the mean over the global batch.
 - `RECV_B` receives the gradient of the chunk's output; `B` backpropagates through the
   chunk; `SEND_B` sends the gradient of its input back.
-- Split backward (zero-bubble): `I` computes only the input's gradient (autograd.grad,
-  keeping the graph), `W` then the weights' gradients (backward with `inputs` = the
-  chunk's parameters, which releases the graph). W walks the graph again, so on a real
-  device it costs more than the paper's W; the schedule's order is what is exercised.
+- Split backward (zero-bubble, Qi et al. 2023): `I` backpropagates through the chunk to
+  its input without the weight branches, asking autograd for the gradient of the input
+  and of the output of every layer that owns parameters (recorded by forward hooks
+  during `F`); `W` then computes only the weights' gradients from those layer-output
+  gradients (for each layer, backward from its output with `inputs` = its own
+  parameters: one layer's gradient must not flow on into earlier layers, whose output
+  gradients I already holds). So I + W do the work of B once, and W needs only the
+  layers' saved inputs. On the first
+  stage, whose input (token ids) has no gradient, I still runs the activation gradients
+  down to the embedding's output.
 
 With data parallelism each chunk is wrapped in DDP, and every backward of the step runs
 under `no_sync` except the chunk's last one (its last B, or W): the gradients are
@@ -37,11 +43,21 @@ class PipelineExecutor:
         self.unit_costs = unit_costs
         self.hidden_dtype = hidden_dtype
         self.params = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
+        self._recording = None  # where forward hooks put layer outputs during a split-backward F
+        if any(a.kind == "I" for a in actions):
+            for c in chunks:
+                for module in c.modules():
+                    if any(True for _ in module.parameters(recurse=False)):
+                        module.register_forward_hook(self._record_output)
         # the index of each chunk's last backward action: gradients are synchronised there
         self.sync_at = {}
         for k, a in enumerate(actions):
             if a.kind in ("B", "W"):
                 self.sync_at[a.chunk] = k
+
+    def _record_output(self, module, args, output) -> None:
+        if self._recording is not None and isinstance(output, torch.Tensor) and output.requires_grad:
+            self._recording.append((output, [q for q in module.parameters(recurse=False) if q.requires_grad]))
 
     def _stage(self, chunk: int) -> int:
         return chunk * self.p + self.rank
@@ -62,6 +78,7 @@ class PipelineExecutor:
         m = len(inputs)
         last_stage = self.p * self.v - 1
         x_in, out, g_out, g_in = {}, {}, {}, {}
+        layer_out, w_pending = {}, {}  # split backward: layer outputs (F), their gradients (I)
         sends = []
         total = torch.zeros((), dtype=torch.float64, device=inputs[0].device)
         prev, nxt = (self.rank - 1) % self.p, (self.rank + 1) % self.p
@@ -75,8 +92,10 @@ class PipelineExecutor:
                 x_in[key] = buf.requires_grad_()
             elif a.kind == "F":
                 x = inputs[a.microbatch] if s == 0 else x_in[key]
+                self._recording = layer_out[key] = []
                 with self._compute("F"):
                     y = self.chunks[a.chunk](x, targets[a.microbatch] if s == last_stage else None)
+                self._recording = None
                 if s == last_stage:
                     y = y / m
                     total += y.detach().double()
@@ -90,19 +109,25 @@ class PipelineExecutor:
             elif a.kind in ("B", "W"):
                 sync = self.ddps is None or self.sync_at[a.chunk] == k
                 with contextlib.nullcontext() if sync else self.ddps[a.chunk].no_sync(), self._compute(a.kind):
-                    inputs_arg = {"inputs": self.params[a.chunk]} if a.kind == "W" else {}
-                    torch.autograd.backward(out.pop(key), g_out.pop(key, None), **inputs_arg)
+                    if a.kind == "B":
+                        torch.autograd.backward(out.pop(key), g_out.pop(key, None))
+                    else:  # each layer's weight gradients from its output gradient, kept by I
+                        for y, g, params in w_pending.pop(key):
+                            torch.autograd.backward(y, g, inputs=params)
                 if a.kind == "B" and s > 0:
                     g_in[key] = x_in[key].grad
                 if a.kind == "W" or s == 0:
                     x_in.pop(key, None)
+                layer_out.pop(key, None)
             elif a.kind == "I":
+                layers = layer_out.pop(key)
+                wrt = ([x_in[key]] if s > 0 else []) + [y for y, _ in layers]
+                with self._compute("I"):
+                    grads = torch.autograd.grad(out.pop(key), wrt, g_out.pop(key, None), retain_graph=True,
+                                                allow_unused=True)
                 if s > 0:
-                    with self._compute("I"):
-                        (g_in[key],) = torch.autograd.grad(out[key], x_in[key], g_out.get(key), retain_graph=True)
-                elif self.unit_costs:
-                    with self._compute("I"):
-                        pass  # the first stage has no input gradient; its I still takes its slot
+                    g_in[key], grads = grads[0], grads[1:]
+                w_pending[key] = [(y, g, params) for (y, params), g in zip(layers, grads) if g is not None]
             elif a.kind == "SEND_B":
                 sends.append(self.group.isend(g_in.pop(key), dst=prev, label="pp.gradients"))
                 if key not in out:

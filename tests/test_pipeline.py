@@ -98,3 +98,18 @@ def test_activation_memory_gpipe_holds_m_microbatches_1f1b_at_most_p():
         assert ofob[0] == pytest.approx(p * one, rel=0.01)
         for r in range(p - 1):  # stage r holds p − r microbatches (the last stage adds the head's activations)
             assert ofob[r] == pytest.approx((p - r) * one, rel=0.01)
+
+
+def test_split_backward_does_the_work_of_one_backward():
+    """With counted compute (no fixed costs), ZB-H1's I + W cost each rank what 1F1B's B
+    does (W takes each layer's weight gradient from the output gradient I kept, it does
+    not walk the graph again), and the step is no longer than 1F1B's."""
+    from playground.train import train
+    steps = {}
+    for schedule in ("1f1b", "zb1"):
+        run = _run(4, 8, schedule, n_layers=4)
+        res = train(RunConfig(**{**run.__dict__, "hardware": "h100-sxm", "steps": 3}))
+        steps[schedule] = [v["sim_steps"][-1] for v in res.values]
+    for a, b in zip(steps["1f1b"], steps["zb1"]):
+        assert b["compute"] == pytest.approx(a["compute"], rel=1e-6)
+    assert max(b["time"] for b in steps["zb1"]) < max(a["time"] for a in steps["1f1b"])
