@@ -91,7 +91,9 @@ class MemoryTracker:
             s = t.untyped_storage()
             if s._cdata in self._exclude:
                 return t
-            return _Saved(t, s._cdata, s.nbytes(), self)
+            # detached: holding the tensor itself would tie a saved output to its own grad_fn, a
+            # reference cycle that keeps a retained graph alive until the garbage collector runs
+            return _Saved(t.detach(), s._cdata, s.nbytes(), self)
 
         def unpack(x):
             return x.tensor if isinstance(x, _Saved) else x

@@ -98,6 +98,9 @@ def test_activation_memory_gpipe_holds_m_microbatches_1f1b_at_most_p():
         assert ofob[0] == pytest.approx(p * one, rel=0.01)
         for r in range(p - 1):  # stage r holds p − r microbatches (the last stage adds the head's activations)
             assert ofob[r] == pytest.approx((p - r) * one, rel=0.01)
+    # ZB-H1 is bounded like 1F1B, not by m (a W-pending graph must not outlive its W)
+    zb = [measure(_run(p, m, "zb1", n_layers=4))["peak_activations"] for m in (8, 16)]
+    assert zb[1] == pytest.approx(zb[0], rel=0.01) and max(zb[0]) < 2 * p * one  # (the token ids grow with m)
 
 
 def test_split_backward_does_the_work_of_one_backward():
