@@ -162,17 +162,17 @@ def test_the_ledger_records_the_algorithm_the_cost_model_chose():
     assert plain[1].bytes_sent == 2 * 15 * big // 16
 
 
-@pytest.mark.parametrize("zero", [0, 3])
-def test_replayed_steps_match_steps_counted_op_by_op(zero):
+@pytest.mark.parametrize("axes", [{"dp": 3}, {"dp": 3, "zero": 3}, {"dp": 2, "pp": 2, "schedule": "zb1"}])
+def test_replayed_steps_match_steps_counted_op_by_op(axes):
     """Step 1 recorded, steps 2.. replayed with op counting off: every rank's simulated
     step (compute, exposed communication, idle) and memory equal counting every op (DDP,
-    and ZeRO-3 with its gathers and prefetches)."""
+    ZeRO-3 with its gathers and prefetches, a pipeline with its sends and receives)."""
     from playground import Layout, RunConfig
     from playground.train import train
 
     def run(every):
         cfg = preset("tiny", n_layers=2)
-        return train(RunConfig(model=cfg, layout=Layout(dp=3, zero=zero, micro_batch_size=2, microbatches=2), steps=4,
+        return train(RunConfig(model=cfg, layout=Layout(**axes, micro_batch_size=2, microbatches=2), steps=4,
                                progress=False, hardware="h100-sxm", bucket_cap_mb=0.01, count_every_step=every))
     counted, replayed = run(True), run(False)
     assert counted.losses == replayed.losses
