@@ -85,9 +85,10 @@ class RankClock:
             self.segments.append((self._segment_start, self.now))
         self._segment_start = self.now
 
-    def ready(self, stream) -> float:
-        """When a call issued now can start on `stream`."""
-        self._event(("call", stream))
+    def ready(self, stream, what=None) -> float:
+        """When a call issued now can start on `stream` (`what` describes the call, for
+        replay: a replayed step must issue the same calls with the same shapes)."""
+        self._event(("call", stream, what))
         self._close_segment()
         return max(self.now, self.streams.get(stream, 0.0))
 

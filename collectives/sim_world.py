@@ -41,6 +41,13 @@ class Slot:
         self.start = self.end = None  # simulated times, with a hardware profile
 
 
+def _replay_tag(call):
+    """What a replayed step must repeat at this call (clock.py): the op, its label, the
+    shapes and splits; a data-dependent size (an MoE's token counts) differs and stops it."""
+    e = call.entry
+    return (call.op, call.label, e.dtype, e.shape, call.in_splits, call.out_splits)
+
+
 class RankState:
     """Per-rank state of the simulation (kept here, never in module globals). The clock
     and memory accounting of the cost model attach here."""
@@ -90,7 +97,7 @@ class SimWorld:
             slot.arrived += 1
             ready = slot.arrived == n
             if self.hardware is not None:
-                call.ready = self.ranks[call.rank].clock.ready(key)
+                call.ready = self.ranks[call.rank].clock.ready(key, _replay_tag(call))
             if ready:
                 del self.pending[(key, seq)]
                 if self.hardware is not None:
@@ -106,7 +113,7 @@ class SimWorld:
             sends, recvs = self.channels.setdefault((key, src, dst), (deque(), deque()))
             mine, theirs = (sends, recvs) if call.op == "send" else (recvs, sends)
             if self.hardware is not None:
-                call.ready = self.ranks[call.rank].clock.ready((key, src, dst))
+                call.ready = self.ranks[call.rank].clock.ready((key, src, dst), _replay_tag(call))
             if theirs:
                 slot = theirs.popleft()
                 slot.calls[0 if call.op == "send" else 1] = call

@@ -201,6 +201,14 @@ def test_a_step_that_does_not_repeat_the_recorded_one_is_refused():
                     world.all_reduce(torch.ones(4) @ torch.ones(4, 4))
     with pytest.raises(RankFailedError, match="recorded step had 'end of step' here"):
         launch(fn, 2, hardware=H100)
+
+    def sizes(world):  # same calls, but the third step's tensor is larger (data-dependent sizes, as in MoE)
+        timing = world.compute_model
+        for step, n in enumerate((4, 4, 6)):
+            with timing.step("record" if step == 1 else "replay" if step == 2 else None):
+                world.all_reduce(torch.ones(n), label="tokens")
+    with pytest.raises(RankFailedError, match=r"\(4,\).*this step has.*\(6,\)"):
+        launch(sizes, 2, hardware=H100)
     with pytest.raises(ReplayMismatchError, match="only after one was recorded"):
         from collectives.clock import RankClock
         RankClock().begin_step("replay")
