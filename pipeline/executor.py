@@ -86,7 +86,7 @@ class PipelineExecutor:
             key = (a.microbatch, a.chunk)
             s = self._stage(a.chunk)
             if a.kind == "RECV_F":
-                shape = (*inputs[a.microbatch].shape, self.chunks[0].config.d_model)
+                shape = self.chunks[a.chunk].hidden_shape(inputs[a.microbatch])
                 buf = torch.empty(shape, dtype=self.hidden_dtype, device=inputs[0].device)
                 self.group.recv(buf, src=prev, label="pp.activations")
                 x_in[key] = buf.requires_grad_()

@@ -69,16 +69,22 @@ class TensorParallel(DataParallel):
         super().__init__(run, mesh.group("dp"), device, memory, model=model)
 
     def pieces(self, what: str) -> list:
-        out = []
-        for name, p in self.model.named_parameters():
-            t = p if what == "param" else p.grad
-            if t is None:
-                continue
-            index = getattr(p, "tp_index", None)
-            piece = Piece(name, p.tp_full_shape, index) if index is not None else Piece(name, tuple(p.shape))
-            t = t[p.tp_rows] if index is not None else t
-            out.append((piece, t.detach().to("cpu", torch.float64).clone()))
-        return out
+        return tp_pieces(self.model, what)
+
+
+def tp_pieces(module, what: str) -> list:
+    """Contract 4 for modules whose weights may be TP slices (`tp_index`, padding cut off by
+    `tp_rows`); other parameters are whole."""
+    out = []
+    for name, p in module.named_parameters():
+        t = p if what == "param" else p.grad
+        if t is None:
+            continue
+        index = getattr(p, "tp_index", None)
+        piece = Piece(name, p.tp_full_shape, index) if index is not None else Piece(name, tuple(p.shape))
+        t = t[p.tp_rows] if index is not None else t
+        out.append((piece, t.detach().to("cpu", torch.float64).clone()))
+    return out
 
 
 class Zero:
@@ -112,8 +118,8 @@ class Zero:
 
 
 class Pipeline:
-    """Pipeline parallelism over the pp axis (each rank v model chunks), DDP per chunk over
-    dp. Runs a whole step of microbatches itself (`run_step`) through the executor."""
+    """Pipeline parallelism over the pp axis (each rank v model chunks, Megatron-split over
+    tp when tp > 1), DDP per chunk over dp. Runs a whole step of microbatches itself (`run_step`) through the executor."""
 
     def __init__(self, run, mesh, device, memory=None, unit_costs=None):
         layout, cfg = run.layout, run.model
@@ -121,8 +127,10 @@ class Pipeline:
         p, v, r = layout.pp, layout.virtual_stages, self.pp.rank
         ranges = partition(cfg.n_layers, p * v, layout.stage_layers)
         stages = [c * p + r for c in range(v)]
+        tp = mesh.group("tp") if layout.tp > 1 else None
         self.chunks = [PipelineStage(cfg, ranges[s], s == 0, s == p * v - 1, seed=run.seed, dtype=run.param_dtype,
-                                     device=device) for s in stages]
+                                     device=device, tp_group=tp, sequence_parallel=layout.sequence_parallel)
+                       for s in stages]
         self.ddps = [DistributedDataParallel(ch, self.dp, bucket_cap_mb=run.bucket_cap_mb, label=f"ddp.stage{s}")
                      for ch, s in zip(self.chunks, stages)]
         self.params = [q for ch in self.chunks for q in ch.parameters()]
@@ -145,7 +153,7 @@ class Pipeline:
         self.optimizer.zero_grad(set_to_none=False)
 
     def pieces(self, what: str) -> list:
-        return [x for ch in self.chunks for x in snapshot(ch, whole_pieces(ch), what)]
+        return [x for ch in self.chunks for x in tp_pieces(ch, what)]
 
     def model_states(self) -> dict:
         return MemoryTracker.model_states(nn.ModuleList(self.chunks), self.optimizer)

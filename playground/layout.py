@@ -123,9 +123,9 @@ class Layout:
                 build_schedule(self.schedule, self.pp, self.microbatches, self.virtual_stages)
             except ScheduleError as e:
                 raise LayoutError(f"pp={self.pp}, schedule {self.schedule!r}: {e}") from None
-            if self.tp > 1 or self.zero or self.cp > 1:
-                raise LayoutError(f"pp={self.pp} with tp={self.tp}, zero={self.zero}, cp={self.cp}: pipelines compose "
-                                  f"with dp only in this version")
+            if self.zero or self.cp > 1:
+                raise LayoutError(f"pp={self.pp} with zero={self.zero}, cp={self.cp}: pipelines compose with dp and tp "
+                                  f"only in this version")
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("sequence_parallel needs tp > 1")
         if self.tp > 1 and c.d_ff % self.tp:

@@ -83,28 +83,58 @@ def _norm(c: GPTConfig, group, sp: bool, dtype, device) -> RMSNorm:
     return norm
 
 
+class Parts:
+    """Builds the tensor-parallel layers of the reference GPT by their reference names, each
+    weight the TP rank's slice of the full reference parameter: all of them for
+    `ParallelGPT`, a stage's share for a pipeline (pipeline/stage.py)."""
+
+    def __init__(self, config: GPTConfig, group, sequence_parallel: bool = False, seed: int = 0,
+                 dtype=torch.float32, device="cpu"):
+        c = self.config = config
+        if sequence_parallel and c.seq_len % group.size:
+            raise ValueError(f"sequence parallelism: seq_len={c.seq_len} is not divisible by tp={group.size}")
+        self.group, self.sp, self.seed, self.device = group, sequence_parallel, seed, device
+        self.kw = {"dtype": dtype, "device": device}
+
+    def full(self, name, shape):
+        if str(self.device) == "meta":
+            return torch.empty(shape, device="meta")
+        return init_full_parameter(name, shape, self.config, self.seed)
+
+    def embedding(self) -> VocabParallelEmbedding:
+        c = self.config
+        return VocabParallelEmbedding(self.full("tok_emb.weight", (c.vocab_size, c.d_model)), self.group, self.sp,
+                                      label="tp.embed.sp_scatter" if self.sp else "tp.embed.g", **self.kw)
+
+    def block(self, i: int) -> ParallelBlock:
+        return ParallelBlock(self.config, self.full, f"blocks.{i}.", self.group, self.sp, **self.kw)
+
+    def norm(self) -> RMSNorm:
+        return _norm(self.config, self.group, self.sp, **self.kw)
+
+    def head(self) -> ColumnParallelLinear:
+        c = self.config
+        return ColumnParallelLinear(self.full("lm_head.weight", (c.vocab_size, c.d_model)), self.group, self.sp,
+                                    label=_labels("head", self.sp)[0], **self.kw)
+
+    def loss(self, logits, targets, head: ColumnParallelLinear):
+        """The mean cross-entropy over all tokens from the head's vocabulary-parallel logits."""
+        start = head.weight.tp_index[0].start
+        real = head.weight.tp_index[0].stop - start
+        return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), start, real, self.group).mean()
+
+
 class ParallelGPT(nn.Module):
     def __init__(self, config: GPTConfig, group, sequence_parallel: bool = False, seed: int = 0,
                  dtype=torch.float32, device="cpu"):
         super().__init__()
         c = self.config = config
         self.group, self.sp = group, sequence_parallel
-        if sequence_parallel and c.seq_len % group.size:
-            raise ValueError(f"sequence parallelism: seq_len={c.seq_len} is not divisible by tp={group.size}")
-
-        def full(name, shape):
-            if str(device) == "meta":
-                return torch.empty(shape, device="meta")
-            return init_full_parameter(name, shape, c, seed)
-        kw = {"dtype": dtype, "device": device}
-        V, d = c.vocab_size, c.d_model
-        self.tok_emb = VocabParallelEmbedding(full("tok_emb.weight", (V, d)), group, sequence_parallel,
-                                              label="tp.embed.sp_scatter" if sequence_parallel else "tp.embed.g", **kw)
-        self.blocks = nn.ModuleList(ParallelBlock(c, full, f"blocks.{i}.", group, sequence_parallel, **kw)
-                                    for i in range(c.n_layers))
-        self.norm = _norm(c, group, sequence_parallel, **kw)
-        self.lm_head = ColumnParallelLinear(full("lm_head.weight", (V, d)), group, sequence_parallel,
-                                            label=_labels("head", sequence_parallel)[0], **kw)
+        self.parts = parts = Parts(config, group, sequence_parallel, seed, dtype, device)
+        self.tok_emb = parts.embedding()
+        self.blocks = nn.ModuleList(parts.block(i) for i in range(c.n_layers))
+        self.norm = parts.norm()
+        self.lm_head = parts.head()
         cos, sin = rope_tables(c.seq_len, c.head_dim, c.rope_base, dtype, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -118,8 +148,4 @@ class ParallelGPT(nn.Module):
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits
-        head = self.lm_head
-        start = head.weight.tp_index[0].start
-        real = head.weight.tp_index[0].stop - start
-        losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), start, real, self.group)
-        return losses.mean()
+        return self.parts.loss(logits, targets, self.lm_head)

@@ -116,3 +116,19 @@ def test_split_backward_does_the_work_of_one_backward():
     for a, b in zip(steps["1f1b"], steps["zb1"]):
         assert b["compute"] == pytest.approx(a["compute"], rel=1e-6)
     assert max(b["time"] for b in steps["zb1"]) < max(a["time"] for a in steps["1f1b"])
+
+
+@pytest.mark.parametrize("dp,tp,sp,schedule,v,dtype", [
+    (2, 2, False, "1f1b", 1, "float64"),
+    (1, 2, True, "zb1", 1, "float64"),
+    (1, 2, True, "interleaved", 2, "float32"),
+    (2, 2, True, "gpipe", 1, "float32"),
+])
+def test_pipeline_with_tensor_and_data_parallelism(dp, tp, sp, schedule, v, dtype):
+    """dp × tp × pp on one mesh (the learner's `--dp 2 --tp 2 --pp 2`): stages built from
+    Megatron's layers; with SP the activations between stages are sequence slices."""
+    run = _run(2, 4, schedule, v, dp=dp, dtype=dtype)
+    run = RunConfig(**{**run.__dict__, "model": preset("tiny", vocab_size=61, n_layers=2 * v),
+                       "layout": Layout(**{**run.layout.__dict__, "tp": tp, "sequence_parallel": sp})})
+    rep = check(run)
+    assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
