@@ -107,3 +107,12 @@ def test_pipeline_train_with_schedule_table_and_plot(tmp_path):
     p = run("check", "--pp", "2", "--dp", "2", "--microbatches", "4", "--schedule", "interleaved",
             "--virtual-stages", "2", "--model", "tiny", "--dtype", "float64")
     assert p.returncode == 2 and "n_layers=2 is not divisible by pp·virtual_stages = 2·2 = 4" in p.stderr
+
+
+@pytest.mark.parametrize("args", [["--dp", "2", "--zero", "3", "--microbatches", "2"],
+                                  ["--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2"]])
+def test_new_strategies_on_gloo_processes(args):
+    """ZeRO-3, and dp × tp × pp, with real processes and torch.distributed collectives."""
+    p = run("check", *args, "--dtype", "float64", "--backend", "gloo")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "PASS" in p.stdout and "backend gloo" in p.stdout
