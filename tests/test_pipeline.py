@@ -38,8 +38,15 @@ def test_every_schedule_matches_one_device(schedule, v, p, m):
 
 @pytest.mark.parametrize("schedule,v", SCHEDULES)
 def test_pipeline_with_data_parallelism_and_float32(schedule, v):
-    rep = check(_run(2, 4, schedule, v, dp=2, dtype="float32"))
+    run = _run(2, 4, schedule, v, dp=2, dtype="float32")
+    rep = check(run)
     assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
+    # DP synchronises each stage's gradients once per step (one bucket per stage here), not per microbatch
+    from playground.train import train
+    res = train(run)
+    for r in range(run.layout.world):
+        buckets = [e for e in res.ledger.for_rank(r) if ".bucket" in e.label]
+        assert len(buckets) == run.steps * v
 
 
 def test_uneven_stages_from_a_list():
