@@ -59,6 +59,10 @@ class PipelineExecutor:
         if self._recording is not None and isinstance(output, torch.Tensor) and output.requires_grad:
             self._recording.append((output, [q for q in module.parameters(recurse=False) if q.requires_grad]))
 
+    def _sync(self, chunk: int, sync: bool):
+        """DDP reduces the gradients in this backward call only when `sync`."""
+        return contextlib.nullcontext() if sync or self.ddps is None else self.ddps[chunk].no_sync()
+
     def _stage(self, chunk: int) -> int:
         return chunk * self.p + self.rank
 
@@ -108,12 +112,15 @@ class PipelineExecutor:
                 g_out[key] = g
             elif a.kind in ("B", "W"):
                 sync = self.ddps is None or self.sync_at[a.chunk] == k
-                with contextlib.nullcontext() if sync else self.ddps[a.chunk].no_sync(), self._compute(a.kind):
+                with self._compute(a.kind):
                     if a.kind == "B":
-                        torch.autograd.backward(out.pop(key), g_out.pop(key, None))
-                    else:  # each layer's weight gradients from its output gradient, kept by I
-                        for y, g, params in w_pending.pop(key):
-                            torch.autograd.backward(y, g, inputs=params)
+                        with self._sync(a.chunk, sync):
+                            torch.autograd.backward(out.pop(key), g_out.pop(key, None))
+                    else:  # each layer's weight gradients from its output gradient, kept by I; DDP
+                        layers = w_pending.pop(key)  # reduces once, at the step's last layer
+                        for j, (y, g, params) in enumerate(layers):
+                            with self._sync(a.chunk, sync and j == len(layers) - 1):
+                                torch.autograd.backward(y, g, inputs=params)
                 if a.kind == "B" and s > 0:
                     g_in[key] = x_in[key].grad
                 if a.kind == "W" or s == 0:
