@@ -176,3 +176,29 @@ def test_gradients_reduced_in_float32_under_bfloat16_compute():
     assert {e.dtype for e in grads} == {"float32"} and {e.dtype for e in params} == {"bfloat16"}
     with pytest.raises(ValueError, match="--reduce-dtype float32 applies to ZeRO"):
         _run(0, 2, "bfloat16", reduce_dtype="float32")
+
+
+def _mlp(world, stage):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
+    z = ZeroDataParallel(model, world, stage, lr=0.1)
+    x = torch.randn(4 * world.size, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    z(x[4 * world.rank:4 * world.rank + 4]).pow(2).mean().backward()
+    z.step()
+    return z.snapshot("param")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_any_module_is_one_unit(stage):
+    """A module without `blocks` is one flat unit (47 parameters over 3 ranks: uneven)."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
+    x = torch.randn(12, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    torch.stack([ref(x[4 * r:4 * r + 4]).pow(2).mean() for r in range(3)]).mean().backward()
+    opt.step()
+    full = dict(ref.named_parameters())
+    pieces = [p for rank in launch(_mlp, 3, args=(stage,)).values for p in rank]
+    assert {name for name, *_ in pieces} == set(full)
+    for name, shape, (a, b), t in pieces:
+        torch.testing.assert_close(t, full[name].detach().reshape(-1)[a:b], rtol=1e-12, atol=1e-14)

@@ -56,7 +56,7 @@ def _units_of(module) -> list:
     one unit per block; a module without `blocks` is one unit."""
     blocks = getattr(module, "blocks", None)
     if not isinstance(blocks, nn.ModuleList):
-        return [("unit0", list(module.named_parameters())), None]
+        return [("unit0", list(module.named_parameters()))]
     in_blocks = {id(p) for p in blocks.parameters()}
     root = [(n, p) for n, p in module.named_parameters() if id(p) not in in_blocks]
     units = [("unit0", root)]
@@ -83,7 +83,7 @@ class ZeroDataParallel(nn.Module):
         self.memory = memory  # a MemoryTracker: transient buffers are reported to it
         self.require_sync = True
         n, r = (1, 0) if stage == 0 else (group.size, group.rank)
-        specs = [u for u in _units_of(module) if u is not None]
+        specs = _units_of(module)
         if self.mixed:  # the model computes in the compute dtype: its floating buffers too (RoPE tables)
             for b in module.buffers():
                 if b.is_floating_point():
