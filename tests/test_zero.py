@@ -178,9 +178,14 @@ def test_gradients_reduced_in_float32_under_bfloat16_compute():
         _run(0, 2, "bfloat16", reduce_dtype="float32")
 
 
-def _mlp(world, stage):
+def _new_mlp():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
+
+
+def _mlp(world, stage, init):
+    model = _new_mlp()  # the structure; every rank then loads the same weights (the global RNG is shared by threads)
+    model.load_state_dict(init)
     z = ZeroDataParallel(model, world, stage, lr=0.1)
     x = torch.randn(4 * world.size, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     z(x[4 * world.rank:4 * world.rank + 4]).pow(2).mean().backward()
@@ -191,14 +196,14 @@ def _mlp(world, stage):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_any_module_is_one_unit(stage):
     """A module without `blocks` is one flat unit (47 parameters over 3 ranks: uneven)."""
-    torch.manual_seed(0)
-    ref = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
+    ref = _new_mlp()
+    init = {k: v.clone() for k, v in ref.state_dict().items()}
     x = torch.randn(12, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.0)
     torch.stack([ref(x[4 * r:4 * r + 4]).pow(2).mean() for r in range(3)]).mean().backward()
     opt.step()
     full = dict(ref.named_parameters())
-    pieces = [p for rank in launch(_mlp, 3, args=(stage,)).values for p in rank]
+    pieces = [p for rank in launch(_mlp, 3, args=(stage, init)).values for p in rank]
     assert {name for name, *_ in pieces} == set(full)
     for name, shape, (a, b), t in pieces:
         torch.testing.assert_close(t, full[name].detach().reshape(-1)[a:b], rtol=1e-12, atol=1e-14)
