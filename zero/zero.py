@@ -67,7 +67,7 @@ def _units_of(module) -> list:
 
 class ZeroDataParallel(nn.Module):
     def __init__(self, module: nn.Module, group, stage: int, lr: float = 1e-3, betas=(0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, compute_dtype=None, reduce_dtype=None,
+                 eps: float = 1e-8, weight_decay: float = 1e-2, compute_dtype=None, reduce_dtype=None,
                  loss_scaler: DynamicLossScaler | None = None, memory=None, label: str = "zero"):
         super().__init__()
         if stage not in (0, 1, 2, 3):
