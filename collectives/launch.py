@@ -223,7 +223,7 @@ def _launch_torchrun(fn, world_size, args, kwargs, timeout) -> LaunchResult:
     import torch
     import torch.distributed as dist
 
-    from .torch_backend import TorchProcessGroup, resolve_cuda_times
+    from .torch_backend import TorchProcessGroup
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise RuntimeError("backend='torch' runs under torchrun (RANK and WORLD_SIZE are not set); "
@@ -239,7 +239,6 @@ def _launch_torchrun(fn, world_size, args, kwargs, timeout) -> LaunchResult:
     ledger = Ledger(n)
     world = TorchProcessGroup(None, range(n), ledger, time.perf_counter())
     value = fn(world, *args, **kwargs)
-    resolve_cuda_times(world.pending)
     gathered = [None] * n
     dist.all_gather_object(gathered, (value, ledger.per_rank[dist.get_rank()]))
     return LaunchResult([v for v, _ in gathered], Ledger.merged(n, [l for _, l in gathered]), "torch", n)

@@ -27,14 +27,8 @@ _DIST_OP = {
 
 
 class TorchWork(Work):
-    """A torch.distributed work. On CUDA, `wait()` makes the current stream wait for the
-    collective (as torch does) without blocking the host, and records a CUDA event there:
-    the call's end is resolved from it after the run (`resolve_cuda_times`), so measuring
-    does not serialise compute and communication."""
-
-    def __init__(self, works, calls, origin: float, cuda_start=None, pending=None):
-        self._works, self._calls, self._origin = works, calls, origin
-        self._cuda_start, self._pending = cuda_start, pending
+    def __init__(self, works, calls, origin: float, cuda: bool):
+        self._works, self._calls, self._origin, self._cuda = works, calls, origin, cuda
         self._done = False
 
     def wait(self) -> bool:
@@ -42,31 +36,17 @@ class TorchWork(Work):
             for w in self._works:
                 if w is not None:
                     w.wait()
-            if self._cuda_start is not None:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                self._pending.extend((c, self._cuda_start, end) for c in self._calls)
-            else:
-                now = time.perf_counter() - self._origin
-                for c in self._calls:
-                    c.entry.end = now
+            if self._cuda:
+                torch.cuda.synchronize()
+            end = time.perf_counter() - self._origin
             for c in self._calls:
+                c.entry.end = end
                 _finish_object(c)
             self._done = True
         return True
 
     def is_completed(self) -> bool:
         return self._done or all(w is None or w.is_completed() for w in self._works)
-
-
-def resolve_cuda_times(pending: list) -> None:
-    """After the run: each CUDA call's end = its start (host clock at issue) + the GPU time
-    from an event recorded at issue to the event recorded when it was waited."""
-    if pending:
-        torch.cuda.synchronize()
-    for call, start, end in pending:
-        call.entry.end = call.entry.start + start.elapsed_time(end) / 1e3
-    pending.clear()
 
 
 def _finish_object(call) -> None:
@@ -97,14 +77,13 @@ class TorchProcessGroup(ProcessGroup):
     _zero_copy_views = False
     clock = None  # time is measured here, not simulated
 
-    def __init__(self, pg, ranks, ledger: Ledger, origin: float, pending: list | None = None):
+    def __init__(self, pg, ranks, ledger: Ledger, origin: float):
         self._pg = pg  # torch group handle (None: the default group)
         self.ranks = tuple(ranks)
         self.rank = self.ranks.index(dist.get_rank())
         self.size = len(self.ranks)
         self._ledger = ledger
         self._origin = origin
-        self.pending = pending if pending is not None else []  # CUDA calls whose end awaits its event
 
     def _record(self, call) -> None:
         lst = self._ledger.per_rank[call.rank]
@@ -113,18 +92,10 @@ class TorchProcessGroup(ProcessGroup):
     def _cuda(self, call) -> bool:
         return any(b is not None and b.device == "cuda" for b in call.bufs.values())
 
-    def _cuda_start(self, cuda: bool):
-        if not cuda:
-            return None
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
-
     def _issue(self, call) -> Work:
         call.entry.start = time.perf_counter() - self._origin
-        start = self._cuda_start(self._cuda(call))
         work = self._start(call)
-        return TorchWork([work], [call], self._origin, start, self.pending)
+        return TorchWork([work], [call], self._origin, self._cuda(call))
 
     def _issue_batch(self, calls) -> list:
         if not calls:
@@ -134,9 +105,8 @@ class TorchProcessGroup(ProcessGroup):
             c.entry.start = start
         ops = [dist.P2POp(dist.isend if c.op == "send" else dist.irecv, c.bufs["tensor"].obj,
                           self.ranks[c.root], self._pg) for c in calls]
-        cuda_start = self._cuda_start(any(self._cuda(c) for c in calls))
         works = dist.batch_isend_irecv(ops)
-        shared = TorchWork(works, calls, self._origin, cuda_start, self.pending)
+        shared = TorchWork(works, calls, self._origin, any(self._cuda(c) for c in calls))
         return [shared] * len(calls)
 
     def _start(self, call):
@@ -209,4 +179,4 @@ class TorchProcessGroup(ProcessGroup):
         pg = dist.new_group(members)
         if dist.get_rank() not in members:
             return None
-        return TorchProcessGroup(pg, members, self._ledger, self._origin, self.pending)
+        return TorchProcessGroup(pg, members, self._ledger, self._origin)
