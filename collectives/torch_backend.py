@@ -1,9 +1,7 @@
 """The torch backend: the same `ProcessGroup` API over torch.distributed (NCCL on CUDA,
 gloo on CPU). Ledger entries come from the same formulas as on the simulated backend;
-their start and end are measured (seconds since the launch, host clock). On CUDA, as in
-torch, a waited call's result is in place in stream order (later kernels on the current
-stream see it; the host is not blocked), and its end is measured with CUDA events,
-resolved when the run ends."""
+their start and end are measured (seconds since the launch, host clock; on CUDA the
+device is synchronised when a call is waited, so the time covers the transfer)."""
 from __future__ import annotations
 
 import pickle
