@@ -1,7 +1,7 @@
 """Benchmark: the cost of simulating time and accounting memory (issue 4, item 7). The
 8-rank DDP run of the first recipe (small GPT, micro-batch 8) three ways: off; on
 (`--hardware h100-sxm`: step 0 counted op by op, step 1 recorded, later steps replay
-its compute with op counting off, see collectives/clock.py); and on with every step
+its compute with op counting off, see simulator/clock.py); and on with every step
 counted op by op (`--count-every-step`). Target: at most 1.2× slower with it on.
 
 Reported per mode: the median step over steps 2.. (the steady state) and the whole run

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from benchmarks._common import print_table, write_json  # noqa: E402
 from collectives import launch  # noqa: E402
-from collectives.memory import MemoryTracker  # noqa: E402
+from simulator import MemoryTracker, SimulatedTime  # noqa: E402
 from model import preset  # noqa: E402
 from playground.report import human_bytes  # noqa: E402
 from tensor_parallel import ParallelGPT  # noqa: E402
@@ -38,11 +38,11 @@ def rank_program(world, sp, n_layers, batch):
     model = ParallelGPT(cfg, world, sp, dtype=torch.bfloat16, device="meta")
     memory = MemoryTracker()
     tokens = torch.empty(batch, cfg.seq_len, dtype=torch.long, device="meta")
-    t0 = world.clock.now
+    t0 = world.timing.clock.now
     with memory.track_activations(exclude=list(model.parameters())):
         loss = model(tokens, tokens)
         loss.backward()
-    return {"peak_activations": memory.peak_activations, "step_s": world.clock.now - t0}
+    return {"peak_activations": memory.peak_activations, "step_s": world.timing.clock.now - t0}
 
 
 def korthikanti(s, b, h, a, t, sp):
@@ -63,7 +63,7 @@ def main():
     rows, out = [], []
     for tp in (1, 2, 4, 8):
         for sp in ((False, True) if tp > 1 else (False,)):
-            res = launch(rank_program, tp, args=(sp, cfg.n_layers, b), hardware="h100-sxm")
+            res = launch(rank_program, tp, args=(sp, cfg.n_layers, b), time_model=SimulatedTime("h100-sxm"))
             v = res.values[0]
             tp_calls = [e for e in res.ledger.for_rank(0) if e.label.startswith("tp.")]
             sent = sum(e.bytes_sent for e in tp_calls)

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 from benchmarks._common import print_table, write_json  # noqa: E402
 from collectives import launch  # noqa: E402
-from collectives.memory import MemoryTracker  # noqa: E402
+from simulator import MemoryTracker, SimulatedTime  # noqa: E402
 from model import GPT, preset  # noqa: E402
 from playground.report import human_bytes  # noqa: E402
 from zero import ZeroDataParallel  # noqa: E402
@@ -35,14 +35,14 @@ def rank_program(world, stage, batch):
     g = torch.Generator().manual_seed(world.rank)
     times = []
     for step in range(STEPS):
-        t0 = world.clock.now
+        t0 = world.timing.clock.now
         x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g)
         with memory.track_activations(exclude=params):
             loss = z(x[:, :-1], x[:, 1:])
             loss.backward()
         del loss
         z.step()
-        times.append(world.clock.now - t0)
+        times.append(world.timing.clock.now - t0)
     return {"states": z.model_states(), "peak_comm": memory.peak_comm_buffers,
             "peak_act": memory.peak_activations, "step_s": times[-1]}
 
@@ -57,7 +57,7 @@ def main():
                2: (2 * psi, 2 * psi / N, 12 * psi / N), 3: (2 * psi / N, 2 * psi / N, 12 * psi / N)}
     rows, out = [], {}
     for stage in range(4):
-        res = launch(rank_program, N, args=(stage, args.batch), hardware="h100-sxm")
+        res = launch(rank_program, N, args=(stage, args.batch), time_model=SimulatedTime("h100-sxm"))
         v = res.values[0]
         s = v["states"]
         total = s["parameters"] + s["gradients"] + s["optimizer"]

@@ -53,7 +53,7 @@ class Call:
     obj: object = None  # payload of the object collectives
     result: object = None  # what the object collectives return
     entry: LedgerEntry | None = None
-    ready: float = 0.0  # simulated time the call can start on this rank (with a hardware profile)
+    ready: float = 0.0  # simulated time the call can start on this rank (with a time model)
 
     def signature(self) -> tuple:
         """What every member of a collective must agree on, as one comparable tuple

@@ -25,9 +25,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from .compute_model import ComputeModel
 from .errors import CollectiveError, DeadlockError, RankFailedError
-from .hardware import load_hardware
 from .ledger import Ledger
 from .sim_group import WORLD_KEY, SimProcessGroup
 from .sim_world import SimWorld
@@ -41,12 +39,12 @@ class LaunchResult:
     ledger: Ledger
     backend: str
     world_size: int
-    clocks: list | None = None  # every rank's RankClock, when time was simulated
+    time_model: object = None  # the TimeModel that timed a simulated run (None: none)
 
 
 def launch(fn, world_size: int | None = None, backend: str = "sim", *, args=(), kwargs=None,
            timeout: float = 300.0, intra_op_threads: int | None = 1, max_running: int | None = None,
-           hardware=None) -> LaunchResult:
+           time_model=None) -> LaunchResult:
     """Run `fn(world, *args, **kwargs)` on every rank.
 
     `intra_op_threads` (sim only): torch's intra-op thread count while the simulated
@@ -57,9 +55,9 @@ def launch(fn, world_size: int | None = None, backend: str = "sim", *, args=(), 
     `max_running` (sim only): at most this many ranks execute between blocking calls
     (None: all). With hundreds of ranks on a few cores, capping it keeps only that many
     ranks' activations alive at once instead of every rank's.
-    `hardware` (sim only): a `Hardware` profile or its name; then every rank's ops advance
-    its simulated clock (`group.clock`, see clock.py) and every call gets a simulated
-    start and end in the ledger.
+    `time_model` (sim only): a `collectives.timing.TimeModel` (the simulator's
+    `SimulatedTime(profile)`); then every call gets a simulated start and end in the
+    ledger, and each rank's groups expose the model's view of it as `group.timing`.
     `timeout` (gloo and torch): seconds before a collective that cannot complete fails.
     """
     kwargs = kwargs or {}
@@ -70,19 +68,17 @@ def launch(fn, world_size: int | None = None, backend: str = "sim", *, args=(), 
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if backend == "sim":
-        if isinstance(hardware, str):
-            hardware = load_hardware(hardware)
         if intra_op_threads is None or world_size == 1:
-            return _launch_sim(fn, world_size, args, kwargs, max_running, hardware)
+            return _launch_sim(fn, world_size, args, kwargs, max_running, time_model)
         import torch
         previous = torch.get_num_threads()
         torch.set_num_threads(intra_op_threads)
         try:
-            return _launch_sim(fn, world_size, args, kwargs, max_running, hardware)
+            return _launch_sim(fn, world_size, args, kwargs, max_running, time_model)
         finally:
             torch.set_num_threads(previous)
-    if hardware is not None:
-        raise ValueError(f"hardware= models time on the simulated backend; backend {backend!r} measures it")
+    if time_model is not None:
+        raise ValueError(f"time_model= models time on the simulated backend; backend {backend!r} measures it")
     return _launch_gloo(fn, world_size, args, kwargs, timeout)
 
 
@@ -96,8 +92,10 @@ def _failure(rank: int, exc: BaseException, tb: str) -> BaseException:
 
 
 # -- simulated ----------------------------------------------------------------------------
-def _launch_sim(fn, n, args, kwargs, max_running=None, hardware=None) -> LaunchResult:
-    world = SimWorld(n, max_running, hardware)
+def _launch_sim(fn, n, args, kwargs, max_running=None, time_model=None) -> LaunchResult:
+    if time_model is not None:
+        time_model.start(n)
+    world = SimWorld(n, max_running, time_model)
     values = [None] * n
     errors: list = [None] * n
 
@@ -106,12 +104,11 @@ def _launch_sim(fn, n, args, kwargs, max_running=None, hardware=None) -> LaunchR
         if world.running is not None:
             world.running.acquire()
         try:
-            timing = contextlib.nullcontext()
-            if hardware:
-                timing = world.ranks[r].compute_model = ComputeModel(hardware, world.ranks[r].clock)
+            timing = time_model.rank_context(r) if time_model is not None else contextlib.nullcontext()
             with timing:
                 values[r] = fn(SimProcessGroup(world, WORLD_KEY, range(n), r), *args, **kwargs)
-            world.ranks[r].clock.finish()
+            if time_model is not None:
+                time_model.rank_finished(r)
         except BaseException as e:  # noqa: BLE001 - reported by launch
             exc = e
             errors[r] = (e, traceback.format_exc())
@@ -135,8 +132,7 @@ def _launch_sim(fn, n, args, kwargs, max_running=None, hardware=None) -> LaunchR
     if stray:  # only RankAbortedError without an original: cannot happen, but never hide it
         r, (exc, tb) = stray[0]
         raise _failure(r, exc, tb) from exc
-    clocks = [st.clock for st in world.ranks] if hardware is not None else None
-    return LaunchResult(values, world.ledger, "sim", n, clocks)
+    return LaunchResult(values, world.ledger, "sim", n, time_model)
 
 
 # -- gloo processes -------------------------------------------------------------------------

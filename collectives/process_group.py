@@ -56,6 +56,7 @@ class ProcessGroup(abc.ABC):
     rank: int
     size: int
     ranks: tuple
+    timing = None  # a time model's view of this rank (collectives.timing), on the simulated backend
 
     # -- backend hooks ---------------------------------------------------------------
     @abc.abstractmethod

@@ -32,15 +32,11 @@ class SimProcessGroup(ProcessGroup):
         self._seq = 0  # this rank's number of collectives on this group so far
 
     @property
-    def clock(self):
-        """This rank's simulated clock (advancing only with a hardware profile)."""
-        return self._world.ranks[self.ranks[self.rank]].clock
-
-    @property
-    def compute_model(self):
-        """This rank's ComputeModel (None without a hardware profile): `step(mode)` brackets a
-        training step for record and replay."""
-        return self._world.ranks[self.ranks[self.rank]].compute_model
+    def timing(self):
+        """This rank's view of the time model (None without one): with the simulator's,
+        `.clock` and `.compute_model`."""
+        tm = self._world.time_model
+        return tm.rank_view(self.ranks[self.rank]) if tm is not None else None
 
     def _record(self, call) -> None:
         ledger = self._world.ledger

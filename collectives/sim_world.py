@@ -18,8 +18,6 @@ import threading
 from collections import deque
 
 from . import sim_ops
-from .clock import RankClock
-from .cost_model import bytes_per_rank, collective_cost
 from .errors import CollectiveMismatchError, DeadlockError, RankAbortedError
 from .ledger import Ledger
 
@@ -38,19 +36,18 @@ class Slot:
         self.error = None  # (exception class, message)
         self.waiters = []
         self.where = where
-        self.start = self.end = None  # simulated times, with a hardware profile
+        self.start = self.end = None  # simulated times, with a time model
 
 
 def _replay_tag(call):
-    """What a replayed step must repeat at this call (clock.py): the op, its label, the
+    """What a replayed step must repeat at this call (the simulator's record and replay): the op, its label, the
     shapes and splits; a data-dependent size (an MoE's token counts) differs and stops it."""
     e = call.entry
     return (call.op, call.label, e.dtype, e.shape, call.in_splits, call.out_splits)
 
 
 class RankState:
-    """Per-rank state of the simulation (kept here, never in module globals). The clock
-    and memory accounting of the cost model attach here."""
+    """Per-rank state of the simulation (kept here, never in module globals)."""
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -58,16 +55,14 @@ class RankState:
         self.wake.acquire()  # released exactly once per wait
         self.group_creations: dict = {}  # ranks tuple -> how many groups of them this rank made
         self.waiting_on = None  # (Slot, Call) while blocked
-        self.clock = RankClock()
-        self.compute_model = None  # the rank's ComputeModel, with a hardware profile
         self.chain = None  # ranks this one wakes in turn once it is woken (see SimWorld._complete)
         self.finished = False
 
 
 class SimWorld:
-    def __init__(self, world_size: int, max_running: int | None = None, hardware=None):
+    def __init__(self, world_size: int, max_running: int | None = None, time_model=None):
         self.size = world_size
-        self.hardware = hardware  # a Hardware profile: calls are timed on the rank clocks
+        self.time_model = time_model  # a collectives.timing.TimeModel: calls are timed by it
         # At most `max_running` ranks execute between blocking points; a rank gives its
         # slot back whenever it blocks in a call and takes one again when woken. Bounds
         # how many ranks hold live activations at once (memory), never causes a deadlock:
@@ -96,11 +91,11 @@ class SimWorld:
             slot.calls[call.pos] = call
             slot.arrived += 1
             ready = slot.arrived == n
-            if self.hardware is not None:
-                call.ready = self.ranks[call.rank].clock.ready(key, _replay_tag(call))
+            if self.time_model is not None:
+                call.ready = self.time_model.issued(call.rank, key, _replay_tag(call))
             if ready:
                 del self.pending[(key, seq)]
-                if self.hardware is not None:
+                if self.time_model is not None:
                     self._time(slot, key)
         if ready:
             self._complete(slot, slot.calls)
@@ -112,14 +107,14 @@ class SimWorld:
             self._raise_if_aborted()
             sends, recvs = self.channels.setdefault((key, src, dst), (deque(), deque()))
             mine, theirs = (sends, recvs) if call.op == "send" else (recvs, sends)
-            if self.hardware is not None:
-                call.ready = self.ranks[call.rank].clock.ready((key, src, dst), _replay_tag(call))
+            if self.time_model is not None:
+                call.ready = self.time_model.issued(call.rank, (key, src, dst), _replay_tag(call))
             if theirs:
                 slot = theirs.popleft()
                 slot.calls[0 if call.op == "send" else 1] = call
                 slot.arrived = 2
                 ready = True
-                if self.hardware is not None:
+                if self.time_model is not None:
                     self._time(slot, (key, src, dst))
             else:
                 slot = Slot(2, f"{call.op} rank {src} -> rank {dst}", p2p=True)
@@ -133,22 +128,18 @@ class SimWorld:
 
     def _time(self, slot: Slot, stream) -> None:
         """Under the mutex, when the last member arrives (so the calls of one group are
-        timed in their program order): start when every member is ready, last the
-        alpha-beta cost, keep every member's stream busy until the end. The ledger records
-        the algorithm the cost model chose and, where it is not the ring, its bytes.
+        timed in their program order): the time model says when the call starts and ends.
+        The ledger records the algorithm it chose and, where it is not the ring, its bytes.
         Object collectives are timed as empty messages (their size is known only once
         pickled)."""
         calls = slot.calls
         first = calls[0]
-        slot.start = max(c.ready for c in calls)
-        cost, algorithm = collective_cost(first.op, first.entry.size, first.group, self.hardware)
-        moved = bytes_per_rank(first.op, algorithm, first.entry.size, first.group, self.hardware)
-        slot.end = slot.start + cost
+        slot.start, slot.end, algorithm, moved = self.time_model.schedule(
+            first.op, first.entry.size, first.group, [(c.rank, c.ready) for c in calls], stream)
         for c in calls:
-            self.ranks[c.rank].clock.occupy(stream, slot.end)
             e = c.entry
             e.start, e.end = slot.start, slot.end
-            if moved is not None:  # the cost model chose another algorithm than the ring
+            if moved is not None:  # the time model chose another algorithm than the ring
                 e.algorithm, (e.bytes_sent, e.bytes_recv) = algorithm, moved
 
     def _complete(self, slot: Slot, calls) -> None:
@@ -209,7 +200,7 @@ class SimWorld:
             cls, msg = slot.error
             raise cls(msg)
         if slot.end is not None:
-            state.clock.wait(slot.start, slot.end)
+            self.time_model.waited(rank, slot.start, slot.end)
 
     def _wake(self, rank: int) -> None:
         """Under the mutex: release a blocked rank (once)."""

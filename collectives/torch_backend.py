@@ -73,7 +73,7 @@ class _Joined:
 
 class TorchProcessGroup(ProcessGroup):
     _zero_copy_views = False
-    clock = None  # time is measured here, not simulated
+    timing = None  # time is measured here, not simulated
 
     def __init__(self, pg, ranks, ledger: Ledger, origin: float):
         self._pg = pg  # torch group handle (None: the default group)

@@ -68,13 +68,13 @@ class PipelineExecutor:
 
     @contextlib.contextmanager
     def _compute(self, kind: str):
-        model = getattr(self.group, "compute_model", None) if self.unit_costs else None
-        if model is None:
+        timing = self.group.timing if self.unit_costs else None
+        if timing is None:
             yield
             return
-        with model.paused():
+        with timing.compute_model.paused():
             yield
-        self.group.clock.advance(self.unit_costs[kind] / self.v)
+        timing.clock.advance(self.unit_costs[kind] / self.v)
 
     def run(self, inputs: list, targets: list) -> torch.Tensor:
         """Run the step on microbatches `inputs` (token ids; targets for the last stage);

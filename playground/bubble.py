@@ -6,7 +6,7 @@ returns each rank's peak activation memory, measured as autograd saves tensors."
 from __future__ import annotations
 
 from collectives import Mesh, launch
-from collectives.memory import MemoryTracker
+from simulator import MemoryTracker, SimulatedTime
 from model.data import MarkovSource
 
 from .build import Pipeline
@@ -25,16 +25,16 @@ def _rank(world, run, costs):
     rows = layout.global_batch // layout.dp
     dp = mesh.group("dp")
     micro = batch[dp.rank * rows:(dp.rank + 1) * rows].split(layout.micro_batch_size)
-    t0 = world.clock.now
+    t0 = world.timing.clock.now
     strategy.run_step(micro, lambda: memory.track_activations(exclude=strategy.params))
-    return world.clock.now - t0, memory.peak_activations
+    return world.timing.clock.now - t0, memory.peak_activations
 
 
 def measure(run: RunConfig, costs=None) -> dict:
     """{"step": seconds, "bubble": fraction, "peak_activations": [bytes per rank], "ledger"}."""
     costs = costs or COSTS
     run.layout.validate(run.model)
-    res = launch(_rank, run.layout.world, args=(run, costs), hardware=run.hardware or "h100-sxm")
+    res = launch(_rank, run.layout.world, args=(run, costs), time_model=SimulatedTime(run.hardware or "h100-sxm"))
     step = max(t for t, _ in res.values)
     busy = run.layout.microbatches * costs["F"] + run.layout.microbatches * (
         costs["I"] + costs["W"] if run.layout.schedule == "zb1" else costs["B"])

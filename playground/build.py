@@ -18,7 +18,7 @@ import contextlib
 import torch
 from torch import nn
 
-from collectives.memory import MemoryTracker
+from simulator.memory import MemoryTracker
 from ddp import DistributedDataParallel
 from model import GPT
 from pipeline import PipelineExecutor, PipelineStage, build_schedule, partition

@@ -84,7 +84,7 @@ def run_config(args, default_steps: int) -> RunConfig:
     cfg = preset(args.model)
     layout.validate(cfg)
     if args.hardware:
-        from collectives.hardware import load_hardware
+        from simulator.hardware import load_hardware
         load_hardware(args.hardware)  # an unknown profile fails here, before any work
     if getattr(args, "plots", None) and os.path.exists(args.plots) and not os.path.isdir(args.plots):
         raise ValueError(f"--plots {args.plots}: exists and is not a folder")
@@ -139,7 +139,7 @@ def _main(args) -> int:
         if _is_rank0(run.backend):
             print(train_summary(res))
             if args.trace:
-                from collectives.trace import write_chrome_trace
+                from simulator.trace import write_chrome_trace
                 write_chrome_trace(args.trace, res.ledger, res.clocks)
                 print(f"\ntrace: {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
             if args.plots:

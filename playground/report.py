@@ -148,7 +148,7 @@ def memory_table(res) -> str:
     hw = res.run.hardware
     capacity = None
     if hw:
-        from collectives.hardware import load_hardware
+        from simulator.hardware import load_hardware
         capacity = load_hardware(hw).hbm_capacity
     rows = []
     for r in sorted({0, top}):

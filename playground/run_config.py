@@ -35,7 +35,7 @@ class RunConfig:
     max_running: int | None = None
     hardware: str | None = None  # sim: a hardware profile name or file; time is then simulated on it
     # with hardware: count every op of every step; otherwise step 0 is counted, step 1
-    # recorded, and later steps replay its compute (collectives/clock.py)
+    # recorded, and later steps replay its compute (simulator/clock.py)
     count_every_step: bool = False
 
     def __post_init__(self):

@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from collectives import Mesh, ReduceOp, launch
-from collectives.memory import MemoryTracker
+from simulator import MemoryTracker, SimulatedTime
 from model.data import make_source
 
 from .build import build
@@ -80,14 +80,14 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
     source = source or make_source(run.data, cfg.vocab_size, run.seed)
     rows = layout.global_batch // layout.dp
     out = {"losses": [], "step_times": [], "sim_steps": [], "memory": None}
-    clock = getattr(world, "clock", None) if run.hardware else None
+    timing = world.timing if run.hardware else None  # the simulator's clock and compute model
+    clock = timing.clock if timing else None
     bar = tqdm(total=run.steps, desc="train", unit="step", disable=not (run.progress and world.rank == 0),
                dynamic_ncols=True)
-    timing = getattr(world, "compute_model", None) if run.hardware else None
     for step in range(run.steps):
         t0 = time.perf_counter()
         replay = None if run.count_every_step else ("record" if step == 1 else "replay" if step > 1 else None)
-        counted = timing.step(replay) if timing else contextlib.nullcontext()
+        counted = timing.compute_model.step(replay) if timing else contextlib.nullcontext()
         with counted:  # op counting: on, recorded, or replayed with counting off
             sim0 = clock.breakdown() if clock else None
             batch = source.global_batch(step, layout.global_batch, cfg.seq_len)
@@ -148,8 +148,9 @@ def train(run: RunConfig, collect: bool = False) -> TrainResult:
     else:
         shared = SharedBatches(source) if run.backend == "sim" else None  # processes build their own
         extra = {"max_running": run.max_running or 2 * (os.cpu_count() or 1),
-                 "hardware": run.hardware} if run.backend == "sim" else {}
+                 "time_model": SimulatedTime(run.hardware) if run.hardware else None} if run.backend == "sim" else {}
         res = launch(train_rank, run.layout.world, backend=run.backend, args=(run, collect, shared), **extra)
     wall = time.perf_counter() - t0
     return TrainResult(run, res.values[0]["losses"], res.values[0]["step_times"], wall, res.ledger,
-                       source.loss_floor, source.describe(), res.values, res.clocks)
+                       source.loss_floor, source.describe(), res.values,
+                       res.time_model.clocks if res.time_model else None)

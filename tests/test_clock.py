@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from collectives import launch
-from collectives.cost_model import collective_cost
-from collectives.hardware import PROFILES
+from simulator.cost_model import collective_cost
+from simulator import SimulatedTime
+from simulator.hardware import PROFILES
 from ddp import DistributedDataParallel
 from model import GPT, preset
 
@@ -17,7 +18,7 @@ COST = collective_cost("all_reduce", S, range(N), H100)[0]
 
 def _overlap(world, compute):
     x = torch.empty(S // 4, device="meta")
-    clock = world.clock
+    clock = world.timing.clock
     t0, e0 = clock.now, clock.exposed
     w = world.all_reduce(x, async_op=True)
     clock.advance(compute)
@@ -28,7 +29,7 @@ def _overlap(world, compute):
 @pytest.mark.parametrize("ratio", [0.5, 0.99, 1.5, 3.0])
 def test_async_all_reduce_overlaps_compute(ratio):
     compute = COST * ratio
-    res = launch(_overlap, N, args=(compute,), hardware=H100)
+    res = launch(_overlap, N, args=(compute,), time_model=SimulatedTime(H100))
     for elapsed, exposed in res.values:
         # hidden when shorter than the compute; otherwise it adds exactly the difference
         assert elapsed == pytest.approx(max(compute, COST), rel=1e-12)
@@ -40,10 +41,10 @@ def test_async_all_reduce_overlaps_compute(ratio):
 
 def test_a_collective_starts_when_its_last_member_arrives():
     def fn(world):
-        world.clock.advance(1e-3 * world.rank)  # rank r arrives r ms late
+        world.timing.clock.advance(1e-3 * world.rank)  # rank r arrives r ms late
         world.all_reduce(torch.empty(S // 4, device="meta"))
-        return world.clock.breakdown()
-    res = launch(fn, N, hardware=H100)
+        return world.timing.clock.breakdown()
+    res = launch(fn, N, time_model=SimulatedTime(H100))
     last = 1e-3 * (N - 1)
     for r, b in enumerate(res.values):
         assert b["time"] == pytest.approx(last + COST)
@@ -58,12 +59,12 @@ def test_recv_completes_no_earlier_than_the_send():
     def fn(world):
         t = torch.empty(size // 4, device="meta")
         if world.rank == 0:
-            world.clock.advance(5e-6)
+            world.timing.clock.advance(5e-6)
             world.send(t, 1)
         else:
             world.recv(t, 0)
-        return world.clock.now
-    res = launch(fn, 2, hardware=H100)
+        return world.timing.clock.now
+    res = launch(fn, 2, time_model=SimulatedTime(H100))
     p2p = H100.nvlink_latency + size / H100.nvlink_bandwidth
     assert res.values == [pytest.approx(5e-6 + p2p), pytest.approx(5e-6 + p2p)]
     recv = res.ledger.for_rank(1)[0]
@@ -73,11 +74,11 @@ def test_recv_completes_no_earlier_than_the_send():
 def test_op_time_is_the_roofline_of_its_flops_and_bytes():
     def fn(world, m):
         a, b = torch.randn(m, m), torch.randn(m, m)
-        t0 = world.clock.now
+        t0 = world.timing.clock.now
         a @ b
-        return world.clock.now - t0
+        return world.timing.clock.now - t0
     for m in (64, 2048):
-        got = launch(fn, 1, args=(m,), hardware=H100).values[0]
+        got = launch(fn, 1, args=(m,), time_model=SimulatedTime(H100)).values[0]
         flops, nbytes = 2 * m ** 3, 3 * m * m * 4
         expect = max(flops / (H100.peak_bf16_flops * H100.matmul_fraction),
                      nbytes / (H100.hbm_bandwidth * H100.hbm_fraction))
@@ -89,9 +90,9 @@ def test_op_time_is_the_roofline_of_its_flops_and_bytes():
 def test_without_a_profile_nothing_is_timed():
     def fn(world):
         world.all_reduce(torch.ones(4))
-        return world.clock.now
+        return world.timing
     res = launch(fn, 2)
-    assert res.values == [0.0, 0.0] and res.ledger.for_rank(0)[0].start is None
+    assert res.values == [None, None] and res.ledger.for_rank(0)[0].start is None and res.time_model is None
 
 
 def _ddp_exposed(world, bucket_mb, batch):
@@ -99,14 +100,14 @@ def _ddp_exposed(world, bucket_mb, batch):
     model = GPT(cfg, seed=0)
     ddp = DistributedDataParallel(model, world, bucket_cap_mb=bucket_mb)
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1))
-    before = world.clock.breakdown()
+    before = world.timing.clock.breakdown()
     ddp(x[:, :-1], x[:, 1:]).backward()
-    after = world.clock.breakdown()
+    after = world.timing.clock.breakdown()
     return {k: after[k] - before[k] for k in after}
 
 
 def _exposed(bucket_mb, batch):
-    return launch(_ddp_exposed, 4, args=(bucket_mb, batch), hardware="a100-80gb").values[0]
+    return launch(_ddp_exposed, 4, args=(bucket_mb, batch), time_model=SimulatedTime("a100-80gb")).values[0]
 
 
 def test_ddp_buckets_hide_communication_behind_backward():
@@ -121,7 +122,7 @@ def test_ddp_buckets_hide_communication_behind_backward():
 
 
 def test_trace_covers_compute_and_every_call():
-    from collectives.trace import chrome_trace
+    from simulator.trace import chrome_trace
 
     def fn(world):
         x = torch.randn(128, 128)
@@ -129,17 +130,17 @@ def test_trace_covers_compute_and_every_call():
             w = world.all_reduce(x @ x, async_op=True, label="grads")
             x @ x
             w.wait()
-    res = launch(fn, 3, hardware=H100)
-    trace = chrome_trace(res.ledger, res.clocks)
+    res = launch(fn, 3, time_model=SimulatedTime(H100))
+    trace = chrome_trace(res.ledger, res.time_model.clocks)
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    for r, clock in enumerate(res.clocks):
+    for r, clock in enumerate(res.time_model.clocks):
         compute = [e for e in spans if e["pid"] == r and e["tid"] == 0]
         assert sum(e["dur"] for e in compute) == pytest.approx(clock.compute * 1e6)
         comm = [e for e in spans if e["pid"] == r and e["tid"] == 1]
         assert [(e["ts"], e["dur"]) for e in comm] == [
             (pytest.approx(e.start * 1e6), pytest.approx((e.end - e.start) * 1e6)) for e in res.ledger.for_rank(r)]
     with pytest.raises(ValueError, match="no simulated times"):
-        chrome_trace(launch(fn, 2).ledger, [res.clocks[0]] * 2)
+        chrome_trace(launch(fn, 2).ledger, [res.time_model.clocks[0]] * 2)
 
 
 def test_the_ledger_records_the_algorithm_the_cost_model_chose():
@@ -148,7 +149,7 @@ def test_the_ledger_records_the_algorithm_the_cost_model_chose():
         world.all_reduce(torch.empty(2**26, device="meta"), label="big")
     small = 8  # bytes
     big = 2**28
-    res = launch(fn, 16, hardware=H100)  # two nodes of eight
+    res = launch(fn, 16, time_model=SimulatedTime(H100))  # two nodes of eight
     for r in range(16):
         e = {x.label: x for x in res.ledger.for_rank(r)}
         assert e["small"].algorithm == "recursive_doubling"
@@ -191,24 +192,24 @@ def test_replayed_steps_match_steps_counted_op_by_op(axes):
 
 def test_a_step_that_does_not_repeat_the_recorded_one_is_refused():
     from collectives import RankFailedError
-    from collectives.clock import ReplayMismatchError
+    from simulator.clock import ReplayMismatchError
 
     def fn(world):
-        timing = world.compute_model
+        timing = world.timing.compute_model
         for step, n in enumerate((1, 1, 2)):  # the third step makes one more call
             with timing.step("record" if step == 1 else "replay" if step == 2 else None):
                 for _ in range(n):
                     world.all_reduce(torch.ones(4) @ torch.ones(4, 4))
     with pytest.raises(RankFailedError, match="recorded step had 'end of step' here"):
-        launch(fn, 2, hardware=H100)
+        launch(fn, 2, time_model=SimulatedTime(H100))
 
     def sizes(world):  # same calls, but the third step's tensor is larger (data-dependent sizes, as in MoE)
-        timing = world.compute_model
+        timing = world.timing.compute_model
         for step, n in enumerate((4, 4, 6)):
             with timing.step("record" if step == 1 else "replay" if step == 2 else None):
                 world.all_reduce(torch.ones(n), label="tokens")
     with pytest.raises(RankFailedError, match=r"\(4,\).*this step has.*\(6,\)"):
-        launch(sizes, 2, hardware=H100)
+        launch(sizes, 2, time_model=SimulatedTime(H100))
     with pytest.raises(ReplayMismatchError, match="only after one was recorded"):
-        from collectives.clock import RankClock
+        from simulator.clock import RankClock
         RankClock().begin_step("replay")

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from collectives.cost_model import collective_cost, placement
-from collectives.hardware import PROFILES, load_hardware
+from simulator.cost_model import collective_cost, placement
+from simulator.hardware import PROFILES, load_hardware
 
 H100 = PROFILES["h100-sxm"]
 A_NV, B_NV = H100.nvlink_latency, 1 / H100.nvlink_bandwidth

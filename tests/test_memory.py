@@ -3,7 +3,7 @@ hold, activations as autograd saves and frees them, per rank thread."""
 import torch
 
 from collectives import launch
-from collectives.memory import MemoryTracker
+from simulator.memory import MemoryTracker
 from model import GPT, preset
 from playground import Layout, RunConfig
 from playground.train import train

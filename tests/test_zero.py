@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from collectives import Mesh, launch
-from collectives.memory import MemoryTracker
+from simulator.memory import MemoryTracker
 from model import GPT, preset
 from playground import Layout, RunConfig
 from playground.check import check

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from collectives import ReduceOp
-from collectives.memory import storage_bytes, storage_id
+from simulator.memory import storage_bytes, storage_id
 
 from .flat_unit import FlatUnit
 from .loss_scaler import DynamicLossScaler
