@@ -30,7 +30,8 @@ def rank_program(world, stage, batch):
     cfg = preset("small")
     memory = MemoryTracker()
     model = GPT(cfg, seed=0, dtype=torch.float32)
-    z = ZeroDataParallel(model, world, stage, lr=1e-3, compute_dtype=torch.bfloat16, memory=memory)
+    z = ZeroDataParallel(model, world, stage, units=list(model.blocks.values()), lr=1e-3,
+                         compute_dtype=torch.bfloat16, memory=memory)
     params = list(model.parameters())
     g = torch.Generator().manual_seed(world.rank)
     times = []
@@ -43,7 +44,7 @@ def rank_program(world, stage, batch):
         del loss
         z.step()
         times.append(world.timing.clock.now - t0)
-    return {"states": z.model_states(), "peak_comm": memory.peak_comm_buffers,
+    return {"states": MemoryTracker.measure(z.state_tensors()), "peak_comm": memory.peak_comm_buffers,
             "peak_act": memory.peak_activations, "step_s": times[-1]}
 
 

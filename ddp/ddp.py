@@ -20,12 +20,11 @@ Accelerating Data Parallel Training", VLDB).
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
 from collectives import ReduceOp
+from model.grad_hooks import GradientReady
 
 
 class Bucket:
@@ -38,7 +37,6 @@ class Bucket:
             self.offsets[p] = n
             n += p.numel()
         self.flat = torch.zeros(n, dtype=params[0].dtype, device=params[0].device)
-        self.pending = set()
         self.work = None
 
     def view(self, p):
@@ -67,19 +65,14 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         self.group = group
         self.label = label
-        self.require_sync = True
         with torch.no_grad():
             for name, p in module.named_parameters():
                 group.broadcast(p.data, src=0, label=f"{label}.broadcast")
         params = [p for p in module.parameters() if p.requires_grad]
         self.buckets = self._make_buckets(list(reversed(params)), bucket_cap_mb * 2**20)
-        self._bucket_of = {}
-        for b in self.buckets:
-            for p in b.params:
-                self._bucket_of[p] = b
-        self._armed = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
-        self._reset()
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.ready = GradientReady(self.buckets, lambda b: b.params, on_ready=self._bucket_ready,
+                                   on_end=self._finish, on_grad=self._grad_ready)
 
     @staticmethod
     def _make_buckets(params, cap_bytes):
@@ -96,48 +89,36 @@ class DistributedDataParallel(nn.Module):
             buckets.append(Bucket(len(buckets), current))
         return buckets
 
-    def _reset(self):
-        for b in self.buckets:
-            b.pending = set(b.params)
-            b.work = None
-        self._armed = False
-
-    @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally; the first backward after it reduces them."""
-        previous, self.require_sync = self.require_sync, False
-        try:
-            yield
-        finally:
-            self.require_sync = previous
+        return self.ready.no_sync()
+
+    def scale_loss(self, loss):
+        return loss
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    # -- the hooks ----------------------------------------------------------------------
-    def _grad_ready(self, p):
-        if not self.require_sync:
-            return
-        if not self._armed:
-            self._armed = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        b = self._bucket_of[p]
-        b.adopt(p)
-        b.pending.discard(p)
-        if not b.pending:
-            self._launch(b)
+    # -- the hooks (model.grad_hooks calls them) -------------------------------------------
+    def _grad_ready(self, p) -> None:
+        if self.ready.require_sync:
+            self._bucket_of[p].adopt(p)
 
-    def _launch(self, b: Bucket):
+    def _bucket_ready(self, b: Bucket, pending: list) -> None:
+        """Every gradient of `b` is in (`pending`: those that got none, at the end of backward)."""
+        if not self.ready.require_sync:
+            return
+        for p in pending:
+            b.adopt(p)
+        self._launch(b)
+
+    def _launch(self, b: Bucket) -> None:
         b.work = self.group.all_reduce(b.flat, op=ReduceOp.AVG, async_op=True, label=f"{self.label}.bucket{b.index}")
 
-    def _finish(self):
-        """End of backward: launch the buckets whose parameters did not all receive a
-        gradient (those contribute zeros), then wait for every bucket once."""
-        for b in self.buckets:
-            if b.work is None:
-                for p in b.pending:
-                    b.adopt(p)
-                self._launch(b)
+    def _finish(self) -> None:
+        """End of backward: wait for every bucket once."""
+        if not self.ready.require_sync:
+            return
         for b in self.buckets:
             b.work.wait()
-        self._reset()
+            b.work = None

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
-from .init import init_full_parameter
+from .init import init_weights
 
 
 class RMSNorm(nn.Module):
@@ -21,11 +21,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d))
 
-    def forward(self, x):
-        # normalised in at least float32 (as LLaMA does): in fp16 the squares' mean and
-        # its rsqrt lose too much, and backward produced NaNs
+    def normalize(self, x):
+        """x / rms(x), in at least float32 (as LLaMA does): in fp16 the squares' mean and
+        its rsqrt lose too much, and backward produced NaNs."""
         h = x.to(torch.promote_types(x.dtype, torch.float32))
-        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def forward(self, x):
+        return self.normalize(x) * self.weight
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float, dtype, device):
@@ -83,40 +86,71 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+class CrossEntropy(nn.Module):
+    """The loss of the reference: mean cross-entropy over all tokens (a module, so that a
+    strategy can swap it: tensor parallelism puts its vocabulary-parallel loss here)."""
+
+    def forward(self, logits, targets):
+        return lm_loss(logits, targets)
+
+
 class GPT(nn.Module):
+    """The reference model. Built whole; a strategy may swap its modules (tensor
+    parallelism) or prune it to the modules a pipeline stage owns: `blocks` is a
+    ModuleDict keyed by the block's index, so a pruned model keeps the reference names,
+    and `tok_emb`, `norm` and `lm_head` may be None (forward then takes hidden states in,
+    or gives them out)."""
+
     def __init__(self, config: GPTConfig, seed: int = 0, dtype=torch.float32, device="cpu"):
         super().__init__()
         self.config = config
         c = config
-        # Built on the target device directly: building on meta and moving would run
-        # torch's meta decompositions, whose first use imports torch._dynamo (seconds,
-        # with every rank thread waiting on the import lock).
-        with torch.device(device):
-            self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
-            self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+        # Modules are made on the meta device (no memory, no random init: the weights come
+        # from init_weights), then given storage on `device`. nn.Embedding's own init would
+        # run normal_ on meta, whose decomposition imports torch._dynamo (seconds, with every
+        # rank thread waiting on the import lock): it gets an explicit empty weight instead.
+        with torch.device("meta"):
+            self.tok_emb = nn.Embedding(c.vocab_size, c.d_model, _weight=torch.empty(c.vocab_size, c.d_model))
+            self.blocks = nn.ModuleDict({str(i): Block(c) for i in range(c.n_layers)})
             self.norm = RMSNorm(c.d_model, c.norm_eps)
             self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.loss = CrossEntropy()
         self.to(dtype)
-        cos, sin = rope_tables(c.seq_len, c.head_dim, c.rope_base, dtype, device)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        if device != "meta":
-            self.reset_parameters(seed)
+        self.register_buffer("rope_cos", torch.empty(0, device="meta"), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0, device="meta"), persistent=False)
+        if str(device) != "meta":
+            self.materialize(device, seed)
 
-    @torch.no_grad()
-    def reset_parameters(self, seed: int) -> None:
-        for name, p in self.named_parameters():
-            p.copy_(init_full_parameter(name, p.shape, self.config, seed))
+    def materialize(self, device, seed: int = 0) -> "GPT":
+        """Give every parameter storage on `device` and its value: the part its placement
+        names of the full reference parameter generated from (seed, name) (Contract 4), so
+        any layout's shards are exact slices of the same tensors. Also the RoPE tables.
+        Moving off the meta device makes new Parameter objects: their placements are carried
+        over, hooks on the old ones would be lost (transforms hook modules, not tensors)."""
+        placements = {n: p.placement for n, p in self.named_parameters() if hasattr(p, "placement")}
+        self.to_empty(device=device)
+        for n, p in self.named_parameters():
+            if n in placements:
+                p.placement = placements[n]
+        init_weights(self, self.config, seed)
+        dtype = next((p.dtype for p in self.parameters()), torch.float32)
+        c = self.config
+        self.rope_cos, self.rope_sin = rope_tables(c.seq_len, c.head_dim, c.rope_base, dtype, device)
+        return self
 
-    def forward(self, tokens, targets=None):
-        """Logits (batch, seq, vocab); with targets, the mean cross-entropy over all tokens."""
-        x = self.tok_emb(tokens)
-        for block in self.blocks:
+    def forward(self, x, targets=None):
+        """Token ids (or, without an embedding, hidden states) in; logits out, or with
+        targets the mean cross-entropy over all tokens; without a head, hidden states."""
+        if self.tok_emb is not None:
+            x = self.tok_emb(x)
+        for block in self.blocks.values():
             x = block(x, self.rope_cos, self.rope_sin)
+        if self.lm_head is None:
+            return x
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits
-        return lm_loss(logits, targets)
+        return self.loss(logits, targets)
 
 
 def lm_loss(logits, targets):

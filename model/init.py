@@ -1,4 +1,4 @@
-"""Deterministic, layout-independent initialisation (DESIGN.md, Contract 4).
+"""Deterministic, layout-independent initialisation (docs/architecture.md, Contract 4).
 
 Each full parameter is generated from (seed, its reference name) alone, in float64 on
 the CPU, so a shard on any layout is exactly the slice of the same full tensor.
@@ -14,6 +14,7 @@ import zlib
 import torch
 
 from .config import GPTConfig
+from .placement import placement_of
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -29,3 +30,12 @@ def init_full_parameter(name: str, shape, config: GPTConfig, seed: int) -> torch
         std = std / math.sqrt(2 * config.n_layers)
     g = torch.Generator().manual_seed(param_seed(seed, name))
     return torch.randn(shape, generator=g, dtype=torch.float64) * std
+
+
+@torch.no_grad()
+def init_weights(model, config: GPTConfig, seed: int) -> None:
+    """Fill every parameter of `model` (the reference GPT, possibly pruned or with swapped
+    modules) with its part of the full reference parameter, as its placement says."""
+    for name, p in model.named_parameters():
+        pl = placement_of(name, p)
+        p.copy_(pl.local(init_full_parameter(pl.name, pl.shape, config, seed)))

@@ -1,7 +1,8 @@
-"""Pipeline parallelism: stage partitioning, schedules as data, one executor."""
+"""Pipeline parallelism: the stage split (pruning the reference model), schedules as
+data, one executor."""
 from .executor import PipelineExecutor
 from .schedules import SCHEDULES, Action, ScheduleError, build_schedule, makespan, table
-from .stage import PipelineStage, partition
+from .split import partition, prune, split_stages
 
-__all__ = ["PipelineExecutor", "PipelineStage", "partition", "Action", "ScheduleError", "SCHEDULES",
+__all__ = ["PipelineExecutor", "partition", "prune", "split_stages", "Action", "ScheduleError", "SCHEDULES",
            "build_schedule", "makespan", "table"]

@@ -19,9 +19,13 @@
   stage, whose input (token ids) has no gradient, I still runs the activation gradients
   down to the embedding's output.
 
-With data parallelism each chunk is wrapped in DDP, and every backward of the step runs
-under `no_sync` except the chunk's last one (its last B, or W): the gradients are
-all-reduced across DP once per step, as soon as that stage has finished them.
+With data parallelism each chunk has its data-parallel wrapper (DDP, or ZeRO-1: anything
+with `no_sync()`), and every backward of the step runs under `no_sync` except the chunk's
+last one (its last B, or W): the gradients are reduced across DP once per step, as soon
+as that stage has finished them.
+
+`hidden_shape(tokens)` gives the shape of the activations a stage receives for a
+microbatch of `tokens` (with sequence parallelism, the rank's slice of the sequence).
 
 `unit_costs` (seconds per F, B, I, W of a whole stage; a chunk costs 1/v of it) replaces
 the counted compute with fixed costs on the simulated clock, to measure a schedule's
@@ -35,11 +39,12 @@ import torch
 
 
 class PipelineExecutor:
-    def __init__(self, chunks: list, group, actions: list, virtual_stages: int = 1, ddps=None, unit_costs=None,
-                 hidden_shape=None, hidden_dtype=torch.float32):
+    def __init__(self, chunks: list, group, actions: list, hidden_shape, virtual_stages: int = 1, syncs=None,
+                 unit_costs=None, hidden_dtype=torch.float32):
         self.chunks, self.group, self.actions, self.v = chunks, group, actions, virtual_stages
         self.p, self.rank = group.size, group.rank
-        self.ddps = ddps
+        self.hidden_shape = hidden_shape
+        self.syncs = syncs
         self.unit_costs = unit_costs
         self.hidden_dtype = hidden_dtype
         self.params = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
@@ -60,8 +65,8 @@ class PipelineExecutor:
             self._recording.append((output, [q for q in module.parameters(recurse=False) if q.requires_grad]))
 
     def _sync(self, chunk: int, sync: bool):
-        """DDP reduces the gradients in this backward call only when `sync`."""
-        return contextlib.nullcontext() if sync or self.ddps is None else self.ddps[chunk].no_sync()
+        """Data parallelism reduces the gradients in this backward call only when `sync`."""
+        return contextlib.nullcontext() if sync or self.syncs is None else self.syncs[chunk].no_sync()
 
     def _stage(self, chunk: int) -> int:
         return chunk * self.p + self.rank
@@ -90,7 +95,7 @@ class PipelineExecutor:
             key = (a.microbatch, a.chunk)
             s = self._stage(a.chunk)
             if a.kind == "RECV_F":
-                shape = self.chunks[a.chunk].hidden_shape(inputs[a.microbatch])
+                shape = self.hidden_shape(inputs[a.microbatch])
                 buf = torch.empty(shape, dtype=self.hidden_dtype, device=inputs[0].device)
                 self.group.recv(buf, src=prev, label="pp.activations")
                 x_in[key] = buf.requires_grad_()
@@ -111,7 +116,7 @@ class PipelineExecutor:
                 self.group.recv(g, src=nxt, label="pp.gradients")
                 g_out[key] = g
             elif a.kind in ("B", "W"):
-                sync = self.ddps is None or self.sync_at[a.chunk] == k
+                sync = self.syncs is None or self.sync_at[a.chunk] == k
                 with self._compute(a.kind):
                     if a.kind == "B":
                         with self._sync(a.chunk, sync):

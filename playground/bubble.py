@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from collectives import Mesh, launch
 from simulator import MemoryTracker, SimulatedTime
+from model import GPT
 from model.data import MarkovSource
 
-from .build import Pipeline
+from .parallelize import parallelize
 from .run_config import RunConfig
 
 UNIT = 1e-3  # seconds: one forward of a whole stage
@@ -20,13 +21,13 @@ def _rank(world, run, costs):
     layout, cfg = run.layout, run.model
     mesh = Mesh(world, **layout.mesh_axes())
     memory = MemoryTracker()
-    strategy = Pipeline(run, mesh, "cpu", unit_costs=costs)
+    model = parallelize(GPT(cfg, dtype=run.param_dtype, device="meta"), mesh, run, "cpu", unit_costs=costs)
     batch = MarkovSource(cfg.vocab_size, seed=run.seed).global_batch(0, layout.global_batch, cfg.seq_len)
     rows = layout.global_batch // layout.dp
     dp = mesh.group("dp")
     micro = batch[dp.rank * rows:(dp.rank + 1) * rows].split(layout.micro_batch_size)
     t0 = world.timing.clock.now
-    strategy.run_step(micro, lambda: memory.track_activations(exclude=strategy.params))
+    model.run_step(micro, lambda: memory.track_activations(exclude=model.params))
     return world.timing.clock.now - t0, memory.peak_activations
 
 

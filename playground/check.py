@@ -24,7 +24,7 @@ from model import GPT
 from model.data import make_source
 
 from .run_config import RunConfig
-from .shards import assemble
+from model import assemble
 from .train import train
 
 # tolerance of the relative error, by dtype and quantity (None: reported, not judged)

@@ -123,9 +123,10 @@ class Layout:
                 build_schedule(self.schedule, self.pp, self.microbatches, self.virtual_stages)
             except ScheduleError as e:
                 raise LayoutError(f"pp={self.pp}, schedule {self.schedule!r}: {e}") from None
-            if self.zero or self.cp > 1:
-                raise LayoutError(f"pp={self.pp} with zero={self.zero}, cp={self.cp}: pipelines compose with dp and tp "
-                                  f"only in this version")
+            if self.zero > 1:
+                raise LayoutError(f"zero={self.zero} with pp={self.pp}: ZeRO-2/3 would reduce-scatter every stage's "
+                                  f"gradients (and ZeRO-3 re-gather its weights) once per microbatch, not once per "
+                                  f"step; use zero=1 (sharded optimizer states) with pipelines")
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("sequence_parallel needs tp > 1")
         if self.tp > 1 and c.d_ff % self.tp:
@@ -133,9 +134,6 @@ class Layout:
                               f"tp could be one of {[d for d in _divisors(c.d_ff) if c.n_heads % d == 0]}")
         if self.sequence_parallel and c.seq_len % self.tp:
             raise LayoutError(f"sequence parallelism splits seq_len={c.seq_len} over tp={self.tp}: not divisible")
-        if self.tp > 1 and self.zero:
-            raise LayoutError(f"zero={self.zero} with tp={self.tp}: ZeRO over a tensor-parallel model is not built "
-                              f"yet; use one of them")
         for name, what in NOT_BUILT.items():
             value = getattr(self, name)
             if value not in (1, 0, False):

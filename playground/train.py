@@ -21,7 +21,9 @@ from collectives import Mesh, ReduceOp, launch
 from simulator import MemoryTracker, SimulatedTime
 from model.data import make_source
 
-from .build import build
+from model import GPT
+
+from .parallelize import parallelize
 from .run_config import RunConfig
 
 
@@ -47,21 +49,6 @@ def _device(run: RunConfig) -> str:
     return "cpu"
 
 
-def _accumulate(strategy, micro, track, device):
-    """Forward and backward of each microbatch in turn, gradients accumulated (reduced at
-    the last one); returns the mean loss of the step."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for i, mb in enumerate(micro):
-        sync = i == len(micro) - 1
-        with contextlib.nullcontext() if sync else strategy.no_sync(), track():  # forward and backward
-            with strategy.autocast:
-                loss = strategy.forward(mb[:, :-1], mb[:, 1:]) / len(micro)
-            strategy.scale_loss(loss).backward()
-        total += loss.detach().double()
-        del loss  # the graph, and the activations it saved, go now
-    return total
-
-
 def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dict:
     """One rank's program. With `collect`, also returns the pieces of the gradients after
     the first backward and of the weights after the last step (for the equivalence check).
@@ -76,7 +63,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
     memory = MemoryTracker()
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    strategy = build(run, mesh, device, memory)
+    model = parallelize(GPT(cfg, dtype=run.param_dtype, device="meta"), mesh, run, device, memory)
     source = source or make_source(run.data, cfg.vocab_size, run.seed)
     rows = layout.global_batch // layout.dp
     out = {"losses": [], "step_times": [], "sim_steps": [], "memory": None}
@@ -93,17 +80,14 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
             batch = source.global_batch(step, layout.global_batch, cfg.seq_len)
             local = batch[dp.rank * rows:(dp.rank + 1) * rows].to(device)
             micro = local.split(layout.micro_batch_size)
-            track = (lambda: memory.track_activations(exclude=strategy.params)) if run.hardware and replay != "replay" \
+            track = (lambda: memory.track_activations(exclude=model.params)) if run.hardware and replay != "replay" \
                 else contextlib.nullcontext  # a replayed step's activations are the recorded one's
-            if hasattr(strategy, "run_step"):  # a pipeline runs its microbatches by its schedule
-                total = strategy.run_step(micro, track)
-            else:
-                total = _accumulate(strategy, micro, track, device)
+            total = model.run_step(micro, track)
             if collect and step == 0:
-                out["grads"] = strategy.pieces("grad")
-            strategy.step()
+                out["grads"] = model.pieces("grad")
+            model.step()
             dp.all_reduce(total, op=ReduceOp.AVG, label="metrics.loss")
-            out["memory"] = memory.snapshot(states=strategy.model_states())
+            out["memory"] = memory.snapshot(states=MemoryTracker.measure(model.state_tensors()))
             if clock:
                 sim1 = clock.breakdown()
                 out["sim_steps"].append({k: sim1[k] - sim0[k] for k in sim1})
@@ -116,7 +100,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
     if device.startswith("cuda"):  # to hold the accounting against what the allocator saw
         out["cuda_peak_allocated"] = torch.cuda.max_memory_allocated()
     if collect:
-        out["weights"] = strategy.pieces("param")
+        out["weights"] = model.pieces("param")
     return out
 
 

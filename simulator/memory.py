@@ -102,6 +102,11 @@ class MemoryTracker:
             yield self
 
     @staticmethod
+    def measure(tensors: dict) -> dict:
+        """Bytes by category of {category: [tensors]} (each storage once per category)."""
+        return {k: storage_bytes(v) for k, v in tensors.items()}
+
+    @staticmethod
     def model_states(model, optimizer=None) -> dict:
         params = list(model.parameters())
         states = [v for st in (optimizer.state.values() if optimizer else []) for v in st.values()

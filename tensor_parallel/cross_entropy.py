@@ -14,6 +14,8 @@ import torch
 
 from collectives import ReduceOp
 
+from .layers import shard_range
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -50,3 +52,18 @@ def vocab_parallel_cross_entropy(logits, target, start: int, real: int, group, l
     """Per-token losses from (tokens, V/t) logits of vocabulary columns [start, start + real)
     (the rest of the local columns are padding) and global target ids."""
     return _VocabParallelCrossEntropy.apply(logits, target, start, real, group, label)
+
+
+class VocabParallelCrossEntropy(torch.nn.Module):
+    """The mean over all tokens of `vocab_parallel_cross_entropy`: the loss module that
+    replaces the reference's when the head is column-parallel over the vocabulary."""
+
+    def __init__(self, vocab_size: int, group, label: str = "tp.xent"):
+        super().__init__()
+        self.group, self.label = group, label
+        self.start, stop, _ = shard_range(vocab_size, group.size, group.rank)
+        self.real = stop - self.start
+
+    def forward(self, logits, targets):
+        return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.start, self.real,
+                                            self.group, self.label).mean()

@@ -15,12 +15,17 @@ from .mappings import exit_tp
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, full_weight: torch.Tensor, group, sequence_parallel: bool = False,
-                 label: str = "tp.embed", dtype=torch.float32, device="cpu"):
+    def __init__(self, weight: nn.Parameter, vocab_size: int, group, sequence_parallel: bool = False,
+                 label: str = "tp.embed"):
         super().__init__()
         self.group, self.sp, self.label = group, sequence_parallel, label
-        self.start, self.stop, self.local = shard_range(full_weight.shape[0], group.size, group.rank)
-        self.weight = sharded_parameter(full_weight, 0, group.size, group.rank, dtype, device)
+        self.start, self.stop, self.local = shard_range(vocab_size, group.size, group.rank)
+        self.weight = weight
+
+    @classmethod
+    def from_reference(cls, embedding: nn.Embedding, name: str, group, sequence_parallel=False, label="tp.embed"):
+        return cls(sharded_parameter(embedding.weight, f"{name}.weight", 0, group), embedding.num_embeddings,
+                   group, sequence_parallel, label)
 
     def forward(self, tokens):
         mine = (tokens >= self.start) & (tokens < self.stop)

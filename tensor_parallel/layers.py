@@ -6,16 +6,20 @@ input features: each rank multiplies its slice of the input and the partial prod
 summed. A column-parallel layer followed by a row-parallel one needs one collective at
 each end: f (or the sequence all-gather) on the way in, g (or the reduce-scatter) on the
 way out. `enter` / `exit_` say whether the layer applies them itself: attention's q, k
-and v share one f, applied by the attention before them.
+and v share one f, applied before them (plan.py).
 
-Each weight knows where it sits in the reference (Contract 4): `weight.tp_index` is its
-index into the full tensor (of shape `weight.tp_full_shape`) and `weight.tp_rows` the part
-of the local tensor that is real (the vocabulary is padded to a multiple of tp).
+Each layer is made from the reference layer it replaces (`from_reference`): its weight is
+the TP rank's slice of the reference weight (padded at the end when the dimension is not
+divisible by tp, as Megatron pads the vocabulary), with that placement attached
+(model.placement: a `Shard` of the reference parameter). A reference on the meta device
+gives a meta slice, filled later by the model's `materialize`.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from model.placement import Placement, Shard, set_placement
 
 from .mappings import enter_tp, exit_tp
 
@@ -28,33 +32,31 @@ def shard_range(size: int, tp: int, rank: int) -> tuple[int, int, int]:
     return start, min(start + local, size), local
 
 
-def sharded_parameter(full: torch.Tensor, dim: int, tp: int, rank: int, dtype, device="cpu") -> nn.Parameter:
-    """Rank's part of `full` along `dim` (zero padding beyond the end), with its Piece data.
-    A `full` on the meta device gives a meta parameter (shapes only)."""
-    start, stop, local = shard_range(full.shape[dim], tp, rank)
-    shape = list(full.shape)
-    shape[dim] = local
-    real = [slice(None)] * full.dim()
-    real[dim] = slice(0, stop - start)
-    index = [slice(None)] * full.dim()
-    index[dim] = slice(start, stop)
-    if full.is_meta:
-        t = torch.empty(shape, dtype=dtype, device="meta")
+def sharded_parameter(reference: torch.Tensor, name: str, dim: int, group) -> nn.Parameter:
+    """The TP rank's slice of `reference` along `dim` as a parameter, with its placement."""
+    start, stop, local = shard_range(reference.shape[dim], group.size, group.rank)
+    placement = Placement(name, tuple(reference.shape), (Shard(dim, start, stop, local),))
+    if reference.is_meta:
+        t = torch.empty(placement.local_shape, dtype=reference.dtype, device="meta")
     else:
-        t = torch.zeros(shape, dtype=dtype)
-        t[tuple(real)] = full[tuple(index)].to(dtype)
-        t = t.to(device)
+        t = placement.local(reference.detach()).clone()
     p = nn.Parameter(t)
-    p.tp_index, p.tp_rows, p.tp_full_shape = tuple(index), tuple(real), tuple(full.shape)
+    set_placement(p, placement)
     return p
 
 
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, full_weight: torch.Tensor, group, sequence_parallel: bool = False, enter: bool = True,
-                 label: str = "tp.column", dtype=torch.float32, device="cpu"):
+    def __init__(self, weight: nn.Parameter, group, sequence_parallel: bool = False, enter: bool = True,
+                 label: str = "tp.column"):
         super().__init__()
         self.group, self.sp, self.enter, self.label = group, sequence_parallel, enter, label
-        self.weight = sharded_parameter(full_weight, 0, group.size, group.rank, dtype, device)
+        self.weight = weight
+
+    @classmethod
+    def from_reference(cls, linear: nn.Linear, name: str, group, sequence_parallel=False, enter=True,
+                       label="tp.column"):
+        return cls(sharded_parameter(linear.weight, f"{name}.weight", 0, group), group, sequence_parallel,
+                   enter, label)
 
     def forward(self, x):
         if self.enter:
@@ -63,11 +65,17 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, full_weight: torch.Tensor, group, sequence_parallel: bool = False, exit_: bool = True,
-                 label: str = "tp.row", dtype=torch.float32, device="cpu"):
+    def __init__(self, weight: nn.Parameter, group, sequence_parallel: bool = False, exit_: bool = True,
+                 label: str = "tp.row"):
         super().__init__()
         self.group, self.sp, self.exit, self.label = group, sequence_parallel, exit_, label
-        self.weight = sharded_parameter(full_weight, 1, group.size, group.rank, dtype, device)
+        self.weight = weight
+
+    @classmethod
+    def from_reference(cls, linear: nn.Linear, name: str, group, sequence_parallel=False, exit_=True,
+                       label="tp.row"):
+        return cls(sharded_parameter(linear.weight, f"{name}.weight", 1, group), group, sequence_parallel,
+                   exit_, label)
 
     def forward(self, x):
         y = nn.functional.linear(x, self.weight)

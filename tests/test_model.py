@@ -36,15 +36,15 @@ def test_initialisation_depends_only_on_seed_and_name():
         assert torch.equal(p, q), n
         assert torch.equal(p, init_full_parameter(n, p.shape, cfg, 5)), n
     c = GPT(cfg, seed=6, dtype=torch.float64)
-    assert not torch.equal(a.blocks[0].attn.wq.weight, c.blocks[0].attn.wq.weight)
+    assert not torch.equal(a.blocks["0"].attn.wq.weight, c.blocks["0"].attn.wq.weight)
     # a deeper model shares the parameters of the layers both have
     deeper = GPT(cfg.with_(n_layers=3), seed=5, dtype=torch.float64)
-    assert torch.equal(deeper.blocks[1].mlp.w_up.weight, a.blocks[1].mlp.w_up.weight)
+    assert torch.equal(deeper.blocks["1"].mlp.w_up.weight, a.blocks["1"].mlp.w_up.weight)
     # float32 is the float64 value rounded
     f32 = GPT(cfg, seed=5)
     assert torch.equal(f32.lm_head.weight, a.lm_head.weight.float())
     assert torch.equal(a.norm.weight, torch.ones_like(a.norm.weight))
-    wo = a.blocks[0].attn.wo.weight
+    wo = a.blocks["0"].attn.wo.weight
     assert 0.5 < wo.std().item() / (cfg.init_std / (2 * cfg.n_layers) ** 0.5) < 1.5
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from model import preset
 from pipeline import ScheduleError, build_schedule, makespan, table
-from pipeline.stage import partition
+from pipeline import partition
 from playground import Layout, LayoutError, RunConfig
 from playground.bubble import measure, theory
 from playground.check import check

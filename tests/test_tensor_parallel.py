@@ -34,8 +34,8 @@ def test_tensor_parallel_with_ddp_on_one_mesh(dp, tp, sp):
 
 
 def test_the_check_catches_sequence_parallel_norms_without_their_gradient_all_reduce(monkeypatch):
-    import tensor_parallel.model
-    monkeypatch.setattr(tensor_parallel.model, "_all_reduce", lambda g, group, label: g)
+    import tensor_parallel.plan
+    monkeypatch.setattr(tensor_parallel.plan, "copy_to_tp", lambda w, group, label: w)
     rep = check(_run(2, True, microbatches=1, steps=1))
     assert not rep.passed and "norm" in rep.worst("grad").name
 

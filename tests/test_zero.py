@@ -13,7 +13,7 @@ from playground import Layout, RunConfig
 from playground.check import check
 from playground.train import train
 from zero import DynamicLossScaler, ZeroDataParallel
-from zero.zero import _units_of
+from zero.zero import unit_specs
 
 # unit sizes 5500 (root) and 15884 (blocks): not divisible by 3 or 8, so shards are uneven
 CFG = preset("tiny", vocab_size=62, d_model=44, n_heads=2, d_ff=61, n_layers=2)
@@ -24,8 +24,12 @@ def _run(stage, dp, dtype="float64", microbatches=2, steps=3, **kw):
                      steps=steps, dtype=dtype, progress=False, **kw)
 
 
+def _specs(model):
+    return unit_specs(model, list(model.blocks.values()))
+
+
 def test_the_test_model_has_uneven_shards():
-    sizes = [sum(p.numel() for _, p in ps) for _, ps in _units_of(GPT(CFG))]
+    sizes = [sum(p.numel() for _, p in ps) for _, _, ps in _specs(GPT(CFG))]
     for dp in (3, 8):
         assert any(s % dp for s in sizes)
 
@@ -58,7 +62,7 @@ def test_the_check_catches_a_zero_that_sums_instead_of_averaging(monkeypatch):
 
 
 def _padded(stage, n):
-    return sum(-(-sum(p.numel() for _, p in ps) // n) * n for _, ps in _units_of(GPT(CFG)))
+    return sum(-(-sum(p.numel() for _, p in ps) // n) * n for _, _, ps in _specs(GPT(CFG)))
 
 
 @pytest.mark.parametrize("dp", [2, 3, 4])
@@ -90,12 +94,12 @@ CFG4 = preset("tiny", vocab_size=62, d_model=44, n_heads=2, d_ff=61, n_layers=4)
 def _states(world, stage):
     memory = MemoryTracker()
     model = GPT(CFG4, seed=0, dtype=torch.float32)
-    z = ZeroDataParallel(model, Mesh(world, dp=world.size).group("dp"), stage, compute_dtype=torch.bfloat16,
-                         memory=memory)
+    z = ZeroDataParallel(model, Mesh(world, dp=world.size).group("dp"), stage, units=list(model.blocks.values()),
+                         compute_dtype=torch.bfloat16, memory=memory)
     x = torch.randint(0, CFG4.vocab_size, (2, CFG4.seq_len + 1))
     z(x[:, :-1], x[:, 1:]).backward()
     z.step()
-    return z.model_states(), memory.peak_comm_buffers, [u.padded for u in z.units]
+    return MemoryTracker.measure(z.state_tensors()), memory.peak_comm_buffers, [u.padded for u in z.units]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -143,7 +147,7 @@ def test_loss_scaler_skips_overflowing_steps_and_recovers():
 
 def _fp16(world, init_scale):
     model = GPT(CFG, seed=0, dtype=torch.float32)
-    z = ZeroDataParallel(model, world, 2, lr=3e-3, compute_dtype=torch.float16,
+    z = ZeroDataParallel(model, world, 2, units=list(model.blocks.values()), lr=3e-3, compute_dtype=torch.float16,
                          loss_scaler=DynamicLossScaler(init_scale=init_scale))
     x = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len + 1), generator=torch.Generator().manual_seed(0))
     mine = x[2 * world.rank:2 * world.rank + 2]
@@ -190,7 +194,7 @@ def _mlp(world, stage, init):
     x = torch.randn(4 * world.size, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     z(x[4 * world.rank:4 * world.rank + 4]).pow(2).mean().backward()
     z.step()
-    return z.snapshot("param")
+    return z.pieces("param")
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -204,6 +208,6 @@ def test_any_module_is_one_unit(stage):
     opt.step()
     full = dict(ref.named_parameters())
     pieces = [p for rank in launch(_mlp, 3, args=(stage, init)).values for p in rank]
-    assert {name for name, *_ in pieces} == set(full)
-    for name, shape, (a, b), t in pieces:
-        torch.testing.assert_close(t, full[name].detach().reshape(-1)[a:b], rtol=1e-12, atol=1e-14)
+    assert {pl.name for pl, _ in pieces} == set(full)
+    for pl, t in pieces:
+        torch.testing.assert_close(t, pl.local(full[pl.name].detach()), rtol=1e-12, atol=1e-14)

@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import torch
 
+from model.placement import Flat
+
 
 class FlatUnit:
-    def __init__(self, index: int, name: str, named_params: list, n: int, rank: int, compute_dtype):
+    def __init__(self, index: int, name: str, placed_params: list, n: int, rank: int, compute_dtype):
+        """`placed_params`: [(Placement, parameter)], the placement saying where the local
+        parameter (maybe already a tensor-parallel slice) sits in the reference."""
         self.index, self.name = index, name
-        self.names = [nm for nm, _ in named_params]
-        self.params = [p for _, p in named_params]
+        self.placements = [pl for pl, _ in placed_params]
+        self.params = [p for _, p in placed_params]
         self.offsets, total = [], 0
         for p in self.params:
             self.offsets.append(total)
@@ -71,13 +75,13 @@ class FlatUnit:
 
     # -- Contract 4 ---------------------------------------------------------------------------
     def owned(self):
-        """(name, full shape, start, stop, local start) of each parameter part in this rank's
-        shard: elements [start, stop) of the flattened parameter, at `local start` in the shard."""
+        """(placement, local start) of each parameter part in this rank's shard: elements
+        [a, b) of the flattened local parameter, at `local start` in the shard."""
         out = []
-        for nm, p, off in zip(self.names, self.params, self.offsets):
+        for pl, p, off in zip(self.placements, self.params, self.offsets):
             a, b = max(off, self.lo), min(off + p.numel(), self.hi)
             if a < b:
-                out.append((nm, tuple(p.shape), a - off, b - off, a - self.lo))
+                out.append((pl.then(Flat(a - off, b - off)), a - self.lo))
         return out
 
     def view_of(self, buffer: torch.Tensor, i: int) -> torch.Tensor:

@@ -2,9 +2,11 @@
 Memory Optimizations Toward Training Trillion Parameter Models"), parameters sharded in
 FSDP-style units (Zhao et al. 2023, "PyTorch FSDP").
 
-The model's parameters are grouped into units (one per transformer block, and one for
-the rest: embedding, final norm, head), each flattened into one buffer split into equal
-shards over the data-parallel group (`FlatUnit`). By stage:
+The model's parameters are grouped into units, each flattened into one buffer split into
+equal shards over the data-parallel group (`FlatUnit`). The caller names the units, as
+FSDP2's `fully_shard` is applied per block: submodules (the transformer blocks), in the
+order forward runs them; the parameters left over form the root unit (for the GPT: the
+embedding, the final norm and the head). By stage:
 
 - 0: the baseline the paper compares with: gradients all-reduced, every rank holds and
   updates everything (mixed-precision data parallelism).
@@ -35,38 +37,40 @@ otherwise), `zero.params.unit<i>` (the all-gather after the step, stages 1-2),
 Under `no_sync()` stages 0 and 1 accumulate gradients locally and reduce at the next
 backward outside it; stages 2 and 3 reduce every microbatch (their point is not to hold
 a full gradient), so gradient accumulation costs them one gradient reduction per
-microbatch, and stage 3 also two all-gathers per microbatch.
+microbatch, and stage 3 also two all-gathers per microbatch. When a unit's gradient is
+ready comes from the machinery DDP uses too (model.grad_hooks).
+
+Every shard knows its place in the reference (model.placement): the parameter's own
+placement (whole, or a tensor-parallel slice) cut once more by the shard's flat range.
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 from torch import nn
 
 from collectives import ReduceOp
-from simulator.memory import storage_bytes, storage_id
+from model.grad_hooks import GradientReady
+from model.placement import placement_of
 
 from .flat_unit import FlatUnit
 from .loss_scaler import DynamicLossScaler
 
 
-def _units_of(module) -> list:
-    """[(name, [(param name, param)])]: the root unit (parameters outside `blocks`), then
-    one unit per block; a module without `blocks` is one unit."""
-    blocks = getattr(module, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList):
-        return [("unit0", list(module.named_parameters()))]
-    in_blocks = {id(p) for p in blocks.parameters()}
-    root = [(n, p) for n, p in module.named_parameters() if id(p) not in in_blocks]
-    units = [("unit0", root)]
-    for i, block in enumerate(blocks):
-        units.append((f"unit{i + 1}", [(f"blocks.{i}.{n}", p) for n, p in block.named_parameters()]))
-    return units
+def unit_specs(module: nn.Module, units=()) -> list:
+    """[(name, submodule or None, [(Placement, param)])]: the root unit `unit0` (the
+    parameters outside every listed submodule; absent when there are none, as in a middle
+    pipeline stage), then `unit<k+1>` for the k-th of `units`."""
+    placed = {id(p): placement_of(n, p) for n, p in module.named_parameters()}
+    in_units = {id(p) for u in units for p in u.parameters()}
+    root = [(placed[id(p)], p) for p in module.parameters() if id(p) not in in_units]
+    specs = [("unit0", None, root)] if root else []
+    for k, u in enumerate(units):
+        specs.append((f"unit{k + 1}", u, [(placed[id(p)], p) for p in u.parameters()]))
+    return specs
 
 
 class ZeroDataParallel(nn.Module):
-    def __init__(self, module: nn.Module, group, stage: int, lr: float = 1e-3, betas=(0.9, 0.999),
+    def __init__(self, module: nn.Module, group, stage: int, units=(), lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, compute_dtype=None, reduce_dtype=None,
                  loss_scaler: DynamicLossScaler | None = None, memory=None, label: str = "zero"):
         super().__init__()
@@ -81,14 +85,14 @@ class ZeroDataParallel(nn.Module):
             loss_scaler = DynamicLossScaler()
         self.scaler = loss_scaler
         self.memory = memory  # a MemoryTracker: transient buffers are reported to it
-        self.require_sync = True
         n, r = (1, 0) if stage == 0 else (group.size, group.rank)
-        specs = _units_of(module)
+        specs = unit_specs(module, units)
         if self.mixed:  # the model computes in the compute dtype: its floating buffers too (RoPE tables)
             for b in module.buffers():
                 if b.is_floating_point():
                     b.data = b.data.to(self.compute_dtype)
-        self.units = [FlatUnit(i, name, params, n, r, self.compute_dtype) for i, (name, params) in enumerate(specs)]
+        self.units = [FlatUnit(i, name, params, n, r, self.compute_dtype) for i, (name, _, params) in enumerate(specs)]
+        self._modules_of = {u: m for u, (_, m, _) in zip(self.units, specs)}
         self._where = {}
         for u in self.units:
             for i, p in enumerate(u.params):
@@ -105,12 +109,11 @@ class ZeroDataParallel(nn.Module):
             u.grad_flat = torch.zeros(u.padded, dtype=self.compute_dtype, device=u.flat.device) if stage < 2 else None
             u.grad_shard = torch.zeros(u.shard, dtype=self.compute_dtype, device=u.flat.device) if stage >= 2 else None
             u.reduce = None  # (work, buffer) of the gradient reduction in flight
-            u.pending = set(u.params)
         self.optimizer = torch.optim.AdamW([u.master for u in self.units], lr=lr, betas=betas, eps=eps,
                                            weight_decay=weight_decay)
-        self._armed = False
         self._in_flight: list = []  # units whose gradient reduction is in flight, oldest first
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for u in self.units for p in u.params]
+        self.ready = GradientReady(self.units, lambda u: u.params, on_ready=self._unit_ready,
+                                   on_end=self._end_of_backward, on_grad=self._grad_arrived)
         if stage == 3:
             self._install_stage3_hooks()
 
@@ -118,14 +121,9 @@ class ZeroDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Stages 0-1: accumulate gradients locally; the next backward outside reduces them."""
-        previous, self.require_sync = self.require_sync, False
-        try:
-            yield
-        finally:
-            self.require_sync = previous
+        return self.ready.no_sync()
 
     def scale_loss(self, loss):
         """The loss to call backward on (multiplied by the loss scale with fp16)."""
@@ -180,22 +178,27 @@ class ZeroDataParallel(nn.Module):
         if self.memory is not None:
             self.memory.buffer(nbytes)
 
-    def _grad_ready(self, p) -> None:
+    def _grad_arrived(self, p) -> None:
+        """Move p's gradient into its unit's flat gradient buffer."""
         u, i = self._where[p]
-        if not self._armed:
-            self._armed = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        if u.grad_flat is None:
-            u.grad_flat = torch.zeros(u.padded, dtype=self.compute_dtype, device=p.device)
-            self._buffer(u.grad_flat.nbytes)
+        self._ensure_grad_flat(u)
         u.view_of(u.grad_flat, i).add_(p.grad)
         p.grad = None
-        u.pending.discard(p)
-        if not u.pending:
-            self._unit_backward_done(u)
+
+    def _ensure_grad_flat(self, u) -> None:
+        if u.grad_flat is None:
+            u.grad_flat = torch.zeros(u.padded, dtype=self.compute_dtype, device=u.flat.device)
+            self._buffer(u.grad_flat.nbytes)
+
+    def _unit_ready(self, u, pending: list) -> None:
+        """Every gradient of unit `u` is in (`pending`, at the end of backward: those that
+        got none, which contribute zeros)."""
+        if pending and self._reducing():
+            self._ensure_grad_flat(u)
+        self._unit_backward_done(u)
 
     def _reducing(self) -> bool:
-        return self.stage >= 2 or self.require_sync
+        return self.stage >= 2 or self.ready.require_sync
 
     def _unit_backward_done(self, u) -> None:
         if self.stage == 3:
@@ -229,21 +232,12 @@ class ZeroDataParallel(nn.Module):
         u.reduce = None
 
     def _end_of_backward(self) -> None:
-        for u in self.units:
-            if u.pending and u.reduce is None and self._reducing():
-                # parameters that received no gradient contribute zeros
-                if u.grad_flat is None:
-                    u.grad_flat = torch.zeros(u.padded, dtype=self.compute_dtype, device=u.flat.device)
-                    self._buffer(u.grad_flat.nbytes)
-                self._unit_backward_done(u)
         for u in self._in_flight:
             self._finish_reduce(u)
         self._in_flight = []
-        for u in self.units:
-            u.pending = set(u.params)
-            if self.stage == 3:
+        if self.stage == 3:
+            for u in self.units:
                 self._free(u)
-        self._armed = False
 
     # -- stage 3: parameters gathered around their use -----------------------------------------
     def _gather(self, u, wait: bool) -> None:
@@ -258,14 +252,16 @@ class ZeroDataParallel(nn.Module):
             self._buffer(-u.nbytes)
 
     def _install_stage3_hooks(self) -> None:
-        root, blocks = self.units[0], self.units[1:]
-        modules = list(self.module.blocks) if blocks else []
+        blocks = [u for u in self.units if self._modules_of[u] is not None]
+        root = self.units[0] if self._modules_of[self.units[0]] is None else None
         # The root unit (embedding, final norm, head) is gathered around the whole forward
         # and again for the whole backward, so every parameter is gathered twice per step
         # (the paper's 3Ψ; FSDP keeps its root gathered instead, saving Ψ_root of traffic).
-        self.module.register_forward_pre_hook(self._pre_forward_hook(root, blocks[0] if blocks else None))
-        self.module.register_forward_hook(self._post_forward_hook(root, blocks[-1] if blocks else None))
-        for k, (u, m) in enumerate(zip(blocks, modules)):
+        if root is not None:
+            self.module.register_forward_pre_hook(self._pre_forward_hook(root, blocks[0] if blocks else None))
+            self.module.register_forward_hook(self._post_forward_hook(root, blocks[-1] if blocks else None))
+        for k, u in enumerate(blocks):
+            m = self._modules_of[u]
             nxt = blocks[k + 1] if k + 1 < len(blocks) else None
             prev = blocks[k - 1] if k > 0 else None
             m.register_forward_pre_hook(self._pre_forward_hook(u, nxt))
@@ -292,30 +288,28 @@ class ZeroDataParallel(nn.Module):
         return hook
 
     # -- Contract 4 and memory ----------------------------------------------------------------
-    def snapshot(self, what: str = "param") -> list:
-        """Contract 4: [(reference name, full shape, (start, stop), CPU float64 copy)] of this
-        rank's master weights (`what`="param") or reduced gradients ("grad"): elements
-        [start, stop) of each flattened reference parameter it holds."""
+    def pieces(self, what: str = "param") -> list:
+        """[(Placement, CPU float64 copy)] of this rank's master weights (`what`="param") or
+        reduced gradients ("grad"): each parameter part its shard holds."""
         out = []
         for u in self.units:
             src = u.master if what == "param" else self._local_grad(u)
             src = src.detach().to("cpu", torch.float64)
             if what == "grad" and self.scaler:
                 src = src / self.scaler.scale
-            for name, shape, a, b, loc in u.owned():
-                out.append((name, shape, (a, b), src[loc:loc + b - a].clone()))
+            for pl, loc in u.owned():
+                n = pl.local_shape[0]
+                out.append((pl, src[loc:loc + n].clone()))
         return out
 
-    def model_states(self) -> dict:
-        """Bytes this rank holds now: parameters (compute copies: full flat buffers at stages
-        0-2, the rank's shard at stage 3, plus any unit gathered now), gradients (full at
-        stages 0-1, the shard at 2-3) and optimizer states (AdamW's, and the master weights
-        where they are a separate copy)."""
+    def state_tensors(self) -> dict:
+        """The tensors this rank holds now, by category: parameters (compute copies: full
+        flat buffers at stages 0-2, the rank's shard at stage 3, plus any unit gathered
+        now), gradients (full at stages 0-1, the shard at 2-3) and optimizer states
+        (AdamW's, and the master weights where they are a separate copy: mixed precision)."""
         params = [u.flat for u in self.units if u.gathered] + [u.param_shard for u in self.units
                                                                 if u.param_shard is not None]
         grads = [u.grad_flat if self.stage < 2 else u.grad_shard for u in self.units]
-        held = {storage_id(t) for t in params}
         states = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-        masters = [u.master for u in self.units if storage_id(u.master) not in held]
-        return {"parameters": storage_bytes(params), "gradients": storage_bytes(grads),
-                "optimizer": storage_bytes(states + masters)}
+        masters = [u.master for u in self.units] if self.mixed else []
+        return {"parameters": params, "gradients": grads, "optimizer": states + masters}

@@ -1,0 +1,209 @@
+"""`parallelize`: the strategies of a layout applied to the one reference GPT, as
+transforms in one fixed order (in the style of torchtitan's `parallelize_llama`;
+docs/architecture.md, "Composition"):
+
+1. pipeline split (pipeline.split_stages): the meta-device model is pruned to the stages
+   this rank holds; every later transform applies to each model part. It comes first
+   because it makes the parts (a deep copy per chunk keeps no attribute or hook that a
+   transform attaches), and it commutes with the module swaps that follow;
+2. tensor (and sequence) parallelism (tensor_parallel.parallelize_tensor): module swaps
+   by a name plan;
+3. context parallelism, 4. expert parallelism, 5. activation checkpointing, 6. compile:
+   their transforms plug in here (the layout refuses them until they exist);
+then every part is materialized on the device (each local tensor from its placement);
+7. data parallelism on each part: DDP, or ZeRO with the part's blocks as units.
+
+The training loop talks to the result through `ParallelModel` only: `run_step` (the
+microbatches of one step, forward and backward, by gradient accumulation or by the
+pipeline schedule), `step` (the optimizer), `pieces` (every local tensor with its
+placement, Contract 4) and `state_tensors` (model states by category, for memory).
+Adding a strategy means adding a transform here, not a class per combination.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from ddp import DistributedDataParallel
+from model import placement_of
+from pipeline import PipelineExecutor, build_schedule, split_stages
+from tensor_parallel import parallelize_tensor
+from zero import ZeroDataParallel
+
+from .run_config import DTYPES
+
+
+# -- how a step runs ---------------------------------------------------------------------------
+class GradientAccumulation:
+    """Forward and backward of each microbatch in turn, gradients accumulated; the
+    data-parallel wrapper reduces them at the last one (`no_sync` before)."""
+
+    def __init__(self, model, sync, autocast):
+        self.model, self.sync, self.autocast = model, sync, autocast
+
+    def run(self, micro, track) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=micro[0].device)
+        for i, mb in enumerate(micro):
+            last = i == len(micro) - 1
+            with contextlib.nullcontext() if last else self.sync.no_sync(), track():  # forward and backward
+                with self.autocast:
+                    loss = self.model(mb[:, :-1], mb[:, 1:]) / len(micro)
+                self.sync.scale_loss(loss).backward()
+            total += loss.detach().double()
+            del loss  # the graph, and the activations it saved, go now
+        return total
+
+
+class PipelineRunner:
+    """The microbatches of a step through the pipeline schedule; the loss, known on the last
+    stage's rank, is broadcast so every rank of the pipeline reports it."""
+
+    def __init__(self, executor: PipelineExecutor, pp_group, autocast):
+        self.executor, self.pp, self.autocast = executor, pp_group, autocast
+
+    def run(self, micro, track) -> torch.Tensor:
+        with track(), self.autocast:
+            total = self.executor.run([mb[:, :-1] for mb in micro], [mb[:, 1:] for mb in micro])
+        self.pp.broadcast(total, src=self.pp.size - 1, label="metrics.loss_pp")
+        return total
+
+
+# -- what the optimizer holds --------------------------------------------------------------------
+class ReplicatedAdamW:
+    """torch's AdamW on the local parameters (whole, or tensor-parallel slices) of every
+    part; data parallelism keeps them equal across the replicas (DDP)."""
+
+    def __init__(self, parts: list, run):
+        self.parts = parts
+        self.optimizer = torch.optim.AdamW([p for m in parts for p in m.parameters()], lr=run.lr, betas=run.betas,
+                                           weight_decay=run.weight_decay)
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)  # in place: the gradients stay views into DDP's buckets
+
+    def pieces(self, what: str) -> list:
+        out = []
+        for m in self.parts:
+            for name, p in m.named_parameters():
+                t = p if what == "param" else p.grad
+                if t is not None:
+                    out.append((placement_of(name, p), t.detach().to("cpu", torch.float64).clone()))
+        return out
+
+    def state_tensors(self) -> dict:
+        params = [p for m in self.parts for p in m.parameters()]
+        states = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        return {"parameters": params, "gradients": [p.grad for p in params], "optimizer": states}
+
+
+class ShardedOptimizer:
+    """ZeRO: each part's engine updates the shards it owns."""
+
+    def __init__(self, engines: list):
+        self.engines = engines
+
+    def step(self) -> None:
+        for e in self.engines:
+            e.step()
+
+    def pieces(self, what: str) -> list:
+        return [x for e in self.engines for x in e.pieces(what)]
+
+    def state_tensors(self) -> dict:
+        out = {"parameters": [], "gradients": [], "optimizer": []}
+        for e in self.engines:
+            for k, v in e.state_tensors().items():
+                out[k] += v
+        return out
+
+
+@dataclass
+class ParallelModel:
+    """What the training loop drives: this rank's model parts and their data-parallel
+    wrappers, how a step runs, and the optimizer."""
+    parts: list  # the model chunks this rank holds (one, or one per virtual pipeline stage)
+    syncs: list  # per part: its data-parallel wrapper (no_sync, scale_loss)
+    runner: object  # GradientAccumulation or PipelineRunner: run(micro, track) -> loss
+    optimizer: object  # ReplicatedAdamW or ShardedOptimizer: step, pieces, state_tensors
+
+    @property
+    def params(self) -> list:
+        """The local parameters (not activations, for the memory tracker)."""
+        return [p for m in self.parts for p in m.parameters()]
+
+    def run_step(self, micro, track) -> torch.Tensor:
+        """Forward and backward of the step's microbatches (token rows, targets shifted by
+        one); returns this rank's share of the mean loss (0 off the last pipeline stage)."""
+        return self.runner.run(micro, track)
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def pieces(self, what: str) -> list:
+        """[(Placement, CPU float64 copy)] of the weights ("param") or the reduced gradients
+        ("grad") this rank holds."""
+        return self.optimizer.pieces(what)
+
+    def state_tensors(self) -> dict:
+        return self.optimizer.state_tensors()
+
+
+def _uses_zero(run) -> bool:
+    return bool(run.layout.zero) or run.dtype == "float16"
+
+
+def parallelize(model, mesh, run, device, memory=None, unit_costs=None) -> ParallelModel:
+    """Apply `run.layout` to `model` (the reference GPT on the meta device) on this rank of
+    `mesh`; `memory` (a MemoryTracker) is told of communication buffers; `unit_costs`
+    charges fixed pipeline stage costs on the simulated clock (bubble measurements)."""
+    layout, cfg = run.layout, run.model
+    dp, tp = mesh.group("dp"), mesh.group("tp")
+    # 1. the pipeline split
+    if layout.pp > 1:
+        chunks = split_stages(model, layout.pp, mesh.group("pp").rank, layout.virtual_stages, layout.stage_layers)
+    else:
+        chunks = [(0, model)]
+    stages, parts = [s for s, _ in chunks], [m for _, m in chunks]
+    # 2. tensor and sequence parallelism
+    if layout.tp > 1:
+        for part in parts:
+            parallelize_tensor(part, tp, layout.sequence_parallel)
+    # (3-6: context and expert parallelism, activation checkpointing, compile plug in here)
+    for part in parts:
+        part.materialize(device, run.seed)
+    # 7. data parallelism on each part
+    zero = _uses_zero(run)
+    label = (lambda s, name: f"{name}.stage{s}") if layout.pp > 1 else (lambda s, name: name)
+    if zero:
+        syncs = [ZeroDataParallel(part, dp, layout.zero, units=list(part.blocks.values()), lr=run.lr,
+                                  betas=run.betas, weight_decay=run.weight_decay, compute_dtype=DTYPES[run.dtype],
+                                  reduce_dtype=DTYPES[run.reduce_dtype] if run.reduce_dtype else None,
+                                  memory=memory, label=label(s, "zero"))
+                 for s, part in zip(stages, parts)]
+        optimizer = ShardedOptimizer(syncs)
+        autocast = contextlib.nullcontext()  # ZeRO computes in its compute copies' dtype
+        hidden_dtype = DTYPES[run.dtype] if run.dtype in ("bfloat16", "float16") else run.param_dtype
+    else:
+        syncs = [DistributedDataParallel(part, dp, bucket_cap_mb=run.bucket_cap_mb, label=label(s, "ddp"))
+                 for s, part in zip(stages, parts)]
+        optimizer = ReplicatedAdamW(parts, run)
+        autocast = (torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16)
+                    if run.dtype == "bfloat16" else contextlib.nullcontext())
+        hidden_dtype = run.param_dtype
+    if layout.pp > 1:
+        pp = mesh.group("pp")
+        split = layout.tp if layout.sequence_parallel else 1  # SP: stages pass the rank's slice of the sequence
+
+        def hidden_shape(tokens):
+            return tokens.shape[0], tokens.shape[1] // split, cfg.d_model
+        actions = build_schedule(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)[pp.rank]
+        executor = PipelineExecutor(parts, pp, actions, hidden_shape=hidden_shape,
+                                    virtual_stages=layout.virtual_stages, syncs=syncs, unit_costs=unit_costs,
+                                    hidden_dtype=hidden_dtype)
+        runner = PipelineRunner(executor, pp, autocast)
+    else:
+        runner = GradientAccumulation(parts[0], syncs[0], autocast)
+    return ParallelModel(parts, syncs, runner, optimizer)
