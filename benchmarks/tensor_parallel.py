@@ -28,14 +28,16 @@ import torch  # noqa: E402
 from benchmarks._common import print_table, write_json  # noqa: E402
 from collectives import launch  # noqa: E402
 from simulator import MemoryTracker, SimulatedTime  # noqa: E402
-from model import preset  # noqa: E402
+from model import GPT, preset  # noqa: E402
 from playground.report import human_bytes  # noqa: E402
-from tensor_parallel import ParallelGPT  # noqa: E402
+from tensor_parallel import parallelize_tensor  # noqa: E402
 
 
 def rank_program(world, sp, n_layers, batch):
     cfg = preset("350m", n_layers=n_layers)
-    model = ParallelGPT(cfg, world, sp, dtype=torch.bfloat16, device="meta")
+    model = GPT(cfg, dtype=torch.bfloat16, device="meta")
+    if world.size > 1:
+        model = parallelize_tensor(model, world, sp)
     memory = MemoryTracker()
     tokens = torch.empty(batch, cfg.seq_len, dtype=torch.long, device="meta")
     t0 = world.timing.clock.now
@@ -68,7 +70,8 @@ def main():
             tp_calls = [e for e in res.ledger.for_rank(0) if e.label.startswith("tp.")]
             sent = sum(e.bytes_sent for e in tp_calls)
             algorithms = sorted({f"{e.op}:{e.algorithm}" for e in tp_calls if e.label.startswith(("tp.attn", "tp.mlp"))})
-            small = [launch(rank_program, tp, args=(sp, n, b)).values[0]["peak_activations"] for n in (2, 4)]
+            small = [launch(rank_program, tp, args=(sp, n, b), time_model=SimulatedTime("h100-sxm")).values[0][
+                "peak_activations"] for n in (2, 4)]
             per_layer = (small[1] - small[0]) / 2
             formula = korthikanti(s, b, h, a, tp, sp)
             rows.append([tp, "yes" if sp else "no", human_bytes(sent), ", ".join(algorithms) or "-",

@@ -116,8 +116,9 @@ class GPT(nn.Module):
             self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
         self.loss = CrossEntropy()
         self.to(dtype)
-        self.register_buffer("rope_cos", torch.empty(0, device="meta"), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(0, device="meta"), persistent=False)
+        cos, sin = rope_tables(c.seq_len, c.head_dim, c.rope_base, dtype, "meta")
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
         if str(device) != "meta":
             self.materialize(device, seed)
 
