@@ -1,4 +1,4 @@
-"""Benchmark: the cost of simulating time and accounting memory (issue 4, item 7). The
+"""Benchmark: the cost of simulating time and accounting memory. The
 8-rank DDP run of the first recipe (small GPT, micro-batch 8) three ways: off; on
 (`--hardware h100-sxm`: step 0 counted op by op, step 1 recorded, later steps replay
 its compute with op counting off, see simulator/clock.py); and on with every step

@@ -1,4 +1,4 @@
-"""Benchmark of the process-group layer (issue 2).
+"""Benchmark of the process-group layer.
 
 1. all_reduce of 64 MiB float32 per rank at 8 ranks, against a NumPy bound measured in
    the same run (sum the 8 arrays into one, copy the result back to each). Target: the

@@ -1,5 +1,5 @@
 """Benchmark: our DDP on simulated ranks against torch's own DistributedDataParallel on
-gloo processes (issue 3).
+gloo processes.
 
 GPT with vocab 256, d_model 128, 4 layers, 4 heads, sequence 128 (the `small` preset),
 micro-batch 8 sequences per rank, 8 ranks, 20 steps, float32, same data on both.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 7 on a 2-GPU machine: the equivalence check of every pipeline
+# GPU checks on a 2-GPU machine: the equivalence check of every pipeline
 # schedule over NCCL point-to-point (pp=2, float32, the small preset so that interleaved
 # has two chunks per rank), then the 350m preset trained in bf16 with pp=2 under 1F1B and
 # ZB-H1. Writes logs under $OUT.

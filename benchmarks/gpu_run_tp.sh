@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 6 on a 2-GPU machine: the equivalence check of tensor
+# GPU checks on a 2-GPU machine: the equivalence check of tensor
 # parallelism (tp=2, with and without sequence parallelism) on NCCL, then the 350m preset
 # trained in bf16 with tp=2 and tp=2 + SP. Writes logs under $OUT.
 set -uo pipefail

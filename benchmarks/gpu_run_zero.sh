@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 5 on a 2-GPU machine: the equivalence check of ZeRO stages 1-3
+# GPU checks on a 2-GPU machine: the equivalence check of ZeRO stages 1-3
 # on NCCL (float32, two microbatches), then the 350m preset trained in bf16 under DDP and
 # under ZeRO-1/2/3 (tokens/s, model states per rank from the tensors, and the CUDA peak
 # allocated). Writes logs under $OUT.

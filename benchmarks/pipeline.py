@@ -1,4 +1,4 @@
-"""Benchmark: pipeline schedules at p = 4 (issue 7, item 7). For m in {4, 8, 16, 32} and
+"""Benchmark: pipeline schedules at p = 4. For m in {4, 8, 16, 32} and
 every schedule (GPipe, 1F1B, interleaved with v = 2, ZB-H1): the bubble measured on the
 simulated clock with equal stage costs (F = 1 ms, B = 2 ms; ZB-H1's I = W = 1 ms; sends
 and receives timed by the cost model on h100-sxm) beside the theory, the peak activation

@@ -1,6 +1,5 @@
-"""Benchmark: Megatron tensor parallelism with and without sequence parallelism (issue 6,
-item 7), on the 350m preset's shapes (d_model 1024, 16 heads, seq 1024, vocab 50304, 24
-layers) in bf16, on meta tensors (shapes only: every collective is counted and timed,
+"""Benchmark: Megatron tensor parallelism with and without sequence parallelism, on the
+350m preset's shapes (d_model 1024, 16 heads, seq 1024, vocab 50304, 24 layers) in bf16, on meta tensors (shapes only: every collective is counted and timed,
 every op's FLOPs and bytes are timed, every saved tensor is measured; nothing is
 computed). One microbatch of one sequence, forward and backward, for tp = 1, 2, 4, 8.
 

@@ -1,4 +1,4 @@
-"""Benchmark: ZeRO stages 0-3 at dp = 8 on the small GPT (issue 5, item 7). Per rank:
+"""Benchmark: ZeRO stages 0-3 at dp = 8 on the small GPT. Per rank:
 model-state memory by category (measured from the tensors each rank holds after a step)
 beside the ZeRO paper's mixed-precision formulas (2 + 2 + 12 bytes per parameter: stage 0
 16Ψ, 1 4Ψ + 12Ψ/N, 2 2Ψ + 14Ψ/N, 3 16Ψ/N), the peak of the communication buffers (the

@@ -1,5 +1,5 @@
 """The process-group layer: `launch`, `ProcessGroup`, `Mesh`, the simulated and torch
-backends, and the byte ledger. See DESIGN.md, Contracts 1 and 2."""
+backends, and the byte ledger. See docs/architecture.md, Contracts 1 and 2."""
 from .errors import (CollectiveError, CollectiveMismatchError, DeadlockError, RankAbortedError,
                      RankFailedError)
 from .launch import LaunchResult, launch

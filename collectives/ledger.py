@@ -1,4 +1,4 @@
-"""The byte ledger (DESIGN.md, Contract 2): one entry per participating rank per call.
+"""The byte ledger (docs/architecture.md, Contract 2): one entry per participating rank per call.
 
 Entries are kept per rank in the order that rank issued its calls, so the ledger is the
 same from run to run whatever the thread timing. Totals answer "how many bytes did this

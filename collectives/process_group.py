@@ -1,4 +1,4 @@
-"""The `ProcessGroup` API (DESIGN.md, Contract 1), shared by both backends.
+"""The `ProcessGroup` API (docs/architecture.md, Contract 1), shared by both backends.
 
 Same names and in-place semantics as torch.distributed, but methods on the group, and
 every rank argument is a rank *within the group*. Each method checks its own arguments,

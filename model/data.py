@@ -1,5 +1,5 @@
 """Data sources, with no download. Each returns, for a training step, the *global* batch
-(DESIGN.md, Contract 5): `global_batch(step, n_sequences, seq_len)` is a (n, seq_len+1)
+(docs/architecture.md, Contract 5): `global_batch(step, n_sequences, seq_len)` is a (n, seq_len+1)
 int64 tensor that depends only on (source, seed, step), so every layout sees the same
 tokens; a layout then splits it (DP by rows, the pipeline into microbatches, CP along
 the sequence).

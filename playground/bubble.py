@@ -1,4 +1,4 @@
-"""The pipeline bubble measured on the simulated clock (issue 7, item 4): one step of a
+"""The pipeline bubble measured on the simulated clock: one step of a
 pipeline layout on simulated ranks, each compute action charged a fixed cost per stage
 (so the stages cost the same), every send and receive timed by the cost model. The
 bubble is the fraction of the step a rank is not computing: 1 − m·(F + B) / step. Also

@@ -1,4 +1,4 @@
-"""The equivalence check (DESIGN.md, Contract 5).
+"""The equivalence check (docs/architecture.md, Contract 5).
 
 The reference model runs on one rank in float64 on the same global batches; the layout
 runs in its own dtype. Compared: the loss of every step, every gradient after the first

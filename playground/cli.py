@@ -1,4 +1,4 @@
-"""The `playground` command: train, check, bench (DESIGN.md, The command)."""
+"""The `playground` command: train, check, bench (docs/architecture.md, The command)."""
 from __future__ import annotations
 
 import argparse

@@ -2,7 +2,7 @@
 
 world = pp·dp·cp·tp; mesh axes outermost to innermost pp, dp, cp, tp (TP innermost so its
 groups stay inside a node); EP groups are carved out of dp×cp. Global batch =
-dp × microbatches × micro_batch_size sequences (DESIGN.md, Contract 5).
+dp × microbatches × micro_batch_size sequences (docs/architecture.md, Contract 5).
 
 Every check says which numbers disagree and what would fit. Axes whose strategy is not
 built yet are refused with the issue that brings them, never silently ignored.

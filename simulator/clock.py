@@ -1,4 +1,4 @@
-"""The simulated clock of one rank (DESIGN.md, Contract 3): a compute stream and, per
+"""The simulated clock of one rank (docs/architecture.md, Contract 3): a compute stream and, per
 process group, a communication stream (as ProcessGroupNCCL keeps one stream per group).
 
 - Compute advances by the modelled time of each op the rank runs (`advance`).

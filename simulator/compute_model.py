@@ -1,4 +1,4 @@
-"""Modelled compute time of the torch ops a simulated rank runs (DESIGN.md, Contract 3).
+"""Modelled compute time of the torch ops a simulated rank runs (docs/architecture.md, Contract 3).
 
 A `TorchDispatchMode` pushed in the rank's thread (the dispatch-mode stack is
 thread-local, so each rank counts only its own ops, backward included) sees every aten

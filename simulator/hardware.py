@@ -1,4 +1,4 @@
-"""Hardware profiles for the cost model (DESIGN.md, Contract 3).
+"""Hardware profiles for the cost model (docs/architecture.md, Contract 3).
 
 Rates are per GPU. Link bandwidths are per direction. Datasheet values:
 - A100 80GB SXM (NVIDIA A100 Tensor Core GPU datasheet): bf16 dense 312 TFLOP/s, HBM2e

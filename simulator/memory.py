@@ -1,4 +1,4 @@
-"""Memory of one simulated rank by category (DESIGN.md, Contract 3): parameters,
+"""Memory of one simulated rank by category (docs/architecture.md, Contract 3): parameters,
 gradients, optimizer states, activations saved for backward, communication buffers;
 current and peak.
 

@@ -1,4 +1,4 @@
-"""The simulated clock (issue 4, item 3): overlap, idle time, point-to-point order, the
+"""The simulated clock: overlap, idle time, point-to-point order, the
 roofline time of an op, and DDP's exposed communication."""
 import pytest
 import torch

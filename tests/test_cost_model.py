@@ -1,5 +1,5 @@
 """The alpha-beta cost model against the closed forms, placement on nodes, algorithm
-choice, and hardware profiles (issue 4, items 1 and 2)."""
+choice, and hardware profiles."""
 import json
 import math
 

@@ -1,4 +1,4 @@
-"""Memory accounting by category (issue 4, item 4): model states exactly what the tensors
+"""Memory accounting by category: model states exactly what the tensors
 hold, activations as autograd saves and frees them, per rank thread."""
 import torch
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (issue 7): every schedule against one device, with and without
+"""Pipeline parallelism: every schedule against one device, with and without
 DDP; the bubble on the simulated clock against theory; activation memory per schedule."""
 import pytest
 

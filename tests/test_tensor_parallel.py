@@ -1,4 +1,4 @@
-"""Megatron tensor parallelism with sequence parallelism (issue 6): equivalence with one
+"""Megatron tensor parallelism with sequence parallelism: equivalence with one
 device, the collectives per layer from the ledger, the vocabulary-parallel loss."""
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""ZeRO-1/2/3 (issue 5): equivalence with one device for every stage, the bytes each
+"""ZeRO-1/2/3: equivalence with one device for every stage, the bytes each
 stage moves per step, the model-state memory of the paper's formulas, mixed precision and
 dynamic loss scaling."""
 import math
