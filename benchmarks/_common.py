@@ -13,6 +13,16 @@ def machine() -> dict:
             "cpus": os.cpu_count(), "platform": platform.platform()}
 
 
+def default_json(name: str) -> str:
+    """Where a benchmark writes its JSON by default: benchmarks/results/NAME.json in a
+    checkout of the repository (those files are committed), else ./NAME.json (an installed
+    copy must not write into site-packages)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if os.path.exists(os.path.join(os.path.dirname(here), "pyproject.toml")):
+        return os.path.join(here, "results", f"{name}.json")
+    return os.path.abspath(f"{name}.json")
+
+
 def median(xs) -> float:
     return float(statistics.median(xs))
 

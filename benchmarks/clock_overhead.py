@@ -14,10 +14,10 @@ import sys
 
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks._common import median, print_table, write_json  # noqa: E402
+from benchmarks._common import default_json, median, print_table, write_json  # noqa: E402
 from model import preset  # noqa: E402
 from playground import Layout, RunConfig  # noqa: E402
-from playground.train import train  # noqa: E402
+from playground.training import train  # noqa: E402
 
 MODES = {"off": {}, "on": {"hardware": "h100-sxm"},
          "on, every step counted": {"hardware": "h100-sxm", "count_every_step": True}}
@@ -27,8 +27,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                   "clock_overhead.json"))
+    ap.add_argument("--json", default=default_json("clock_overhead"))
     args = ap.parse_args()
     steady = {m: [] for m in MODES}
     whole = {m: [] for m in MODES}

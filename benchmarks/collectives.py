@@ -1,4 +1,5 @@
-"""Benchmark of the process-group layer.
+"""Benchmark: the process-group layer: all_reduce throughput, small-message latency up to
+1024 ranks, one program on sim against gloo.
 
 1. all_reduce of 64 MiB float32 per rank at 8 ranks, against a NumPy bound measured in
    the same run (sum the 8 arrays into one, copy the result back to each). Target: the
@@ -25,7 +26,7 @@ import torch
 # the collectives package: put the repository root there instead
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks._common import median, print_table, write_json  # noqa: E402
+from benchmarks._common import default_json, median, print_table, write_json  # noqa: E402
 from collectives import launch  # noqa: E402
 
 
@@ -152,7 +153,7 @@ def sim_vs_gloo(n=8):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, a few seconds (a demo, not a measurement)")
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "collectives.json"))
+    ap.add_argument("--json", default=default_json("collectives"))
     args = ap.parse_args()
 
     if args.quick:

@@ -22,7 +22,7 @@ import time
 
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks._common import median, print_table, write_json  # noqa: E402
+from benchmarks._common import default_json, median, print_table, write_json  # noqa: E402
 
 MICRO_BATCH = 8
 
@@ -43,7 +43,7 @@ def _meminfo(key="MemAvailable") -> int:
 def one_sim(world: int, steps: int) -> dict:
     from model import preset
     from playground import Layout, RunConfig
-    from playground.train import train
+    from playground.training import train
     t0 = time.perf_counter()
     res = train(RunConfig(model=preset("small"), layout=Layout(dp=world, micro_batch_size=MICRO_BATCH),
                           steps=steps, progress=False))
@@ -136,7 +136,7 @@ def main():
     ap.add_argument("--one", choices=["sim", "gloo"], help=argparse.SUPPRESS)
     ap.add_argument("--no-scaling", action="store_true")
     ap.add_argument("--reps", type=int, default=3, help="alternating sim/gloo repetitions (medians reported)")
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ddp_vs_gloo.json"))
+    ap.add_argument("--json", default=default_json("ddp_vs_gloo"))
     args = ap.parse_args()
     if args.one:
         out = one_sim(args.world, args.steps) if args.one == "sim" else one_gloo(args.world, args.steps)

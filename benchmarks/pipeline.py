@@ -13,7 +13,7 @@ import sys
 
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks._common import print_table, write_json  # noqa: E402
+from benchmarks._common import default_json, print_table, write_json  # noqa: E402
 from model import preset  # noqa: E402
 from playground import Layout, RunConfig  # noqa: E402
 from playground.bubble import measure, theory  # noqa: E402
@@ -26,7 +26,7 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1", 1)]
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--microbatches", default="4,8,16,32")
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipeline.json"))
+    ap.add_argument("--json", default=default_json("pipeline"))
     args = ap.parse_args()
     cfg = preset("small", n_layers=8)
     rows, out = [], []

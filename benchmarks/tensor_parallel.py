@@ -1,5 +1,5 @@
-"""Benchmark: Megatron tensor parallelism with and without sequence parallelism, on the
-350m preset's shapes (d_model 1024, 16 heads, seq 1024, vocab 50304, 24 layers) in bf16, on meta tensors (shapes only: every collective is counted and timed,
+"""Benchmark: Megatron tensor parallelism with and without sequence parallelism on 350m
+shapes. On the 350m preset's shapes (d_model 1024, 16 heads, seq 1024, vocab 50304, 24 layers) in bf16, on meta tensors (shapes only: every collective is counted and timed,
 every op's FLOPs and bytes are timed, every saved tensor is measured; nothing is
 computed). One microbatch of one sequence, forward and backward, for tp = 1, 2, 4, 8.
 
@@ -24,7 +24,7 @@ sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from benchmarks._common import print_table, write_json  # noqa: E402
+from benchmarks._common import default_json, print_table, write_json  # noqa: E402
 from collectives import launch  # noqa: E402
 from simulator import MemoryTracker, SimulatedTime  # noqa: E402
 from model import GPT, preset  # noqa: E402
@@ -55,8 +55,7 @@ def korthikanti(s, b, h, a, t, sp):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                   "tensor_parallel.json"))
+    ap.add_argument("--json", default=default_json("tensor_parallel"))
     args = ap.parse_args()
     cfg = preset("350m")
     s, b, h, a = cfg.seq_len, args.batch, cfg.d_model, cfg.n_heads

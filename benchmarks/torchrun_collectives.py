@@ -1,4 +1,5 @@
-"""Run every collective under torchrun on the torch backend (NCCL on CUDA, gloo on CPU),
+"""Benchmark: every collective on the torch backend under torchrun against the simulator.
+Run every collective under torchrun on the torch backend (NCCL on CUDA, gloo on CPU),
 check each rank's results against the simulator on the same inputs, and measure the
 bus bandwidth of a large all_reduce from the ledger's measured times.
 

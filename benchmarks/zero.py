@@ -15,7 +15,7 @@ sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from benchmarks._common import print_table, write_json  # noqa: E402
+from benchmarks._common import default_json, print_table, write_json  # noqa: E402
 from collectives import launch  # noqa: E402
 from simulator import MemoryTracker, SimulatedTime  # noqa: E402
 from model import GPT, preset  # noqa: E402
@@ -51,7 +51,7 @@ def rank_program(world, stage, batch):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank")
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "zero.json"))
+    ap.add_argument("--json", default=default_json("zero"))
     args = ap.parse_args()
     psi = sum(p.numel() for p in GPT(preset("small"), device="meta").parameters())
     formula = {0: (2 * psi, 2 * psi, 12 * psi), 1: (2 * psi, 2 * psi, 12 * psi / N),

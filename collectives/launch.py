@@ -19,6 +19,8 @@ import contextlib
 import datetime
 import os
 import pickle
+import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -136,11 +138,26 @@ def _launch_sim(fn, n, args, kwargs, max_running=None, time_model=None) -> Launc
 
 
 # -- gloo processes -------------------------------------------------------------------------
-def _gloo_worker(fn, rank, n, store, outdir, args, kwargs, timeout):
+def _die_with_parent(parent: int, outdir: str) -> None:
+    """In a gloo rank process: a daemon thread that, once the launcher `parent` is gone
+    (killed, even by SIGKILL, which runs no cleanup), removes the launcher's temporary
+    folder and ends this process. Polls the parent pid: portable, and a thread keeps
+    running while the main one waits inside gloo (torch releases the GIL there)."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.1)
+        shutil.rmtree(outdir, ignore_errors=True)
+        os._exit(1)
+    threading.Thread(target=watch, name="watch-launcher", daemon=True).start()
+
+
+def _gloo_worker(fn, rank, n, store, outdir, args, kwargs, timeout, parent):
     import torch.distributed as dist
 
     from .torch_backend import TorchProcessGroup
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle: it stops every rank
+    _die_with_parent(parent, outdir)
     out = {"rank": rank}
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n,
@@ -171,10 +188,12 @@ def _launch_gloo(fn, n, args, kwargs, timeout) -> LaunchResult:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="playground-gloo-") as d:
+    d = tempfile.mkdtemp(prefix="playground-gloo-")
+    procs = []
+    try:
         store = os.path.join(d, "store")
-        procs = [ctx.Process(target=_gloo_worker, args=(fn, r, n, store, d, args, kwargs, timeout), daemon=True)
-                 for r in range(n)]
+        procs = [ctx.Process(target=_gloo_worker, args=(fn, r, n, store, d, args, kwargs, timeout, os.getpid()),
+                             daemon=True) for r in range(n)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
@@ -184,13 +203,9 @@ def _launch_gloo(fn, n, args, kwargs, timeout) -> LaunchResult:
                 failed_at = time.monotonic()
             # one rank failed: give the others a moment to report, then stop them
             if (failed_at is not None and time.monotonic() - failed_at > 2.0) or time.monotonic() > deadline:
-                for p in procs:
-                    if p.is_alive():
-                        p.terminate()
                 break
             time.sleep(0.02)
-        for p in procs:
-            p.join()
+        _stop(procs)
         results = []
         for r in range(n):
             path = os.path.join(d, f"rank{r}.pkl")
@@ -199,6 +214,9 @@ def _launch_gloo(fn, n, args, kwargs, timeout) -> LaunchResult:
                     results.append(pickle.load(f))
             else:
                 results.append({"rank": r, "error": None, "exitcode": procs[r].exitcode})
+    finally:  # also on Ctrl-C (KeyboardInterrupt here) or any error: no rank outlives the launch
+        _stop(procs)
+        shutil.rmtree(d, ignore_errors=True)
     errs = [res for res in results if res.get("error")]
     if errs:
         # the first rank to fail is the cause; the others fail because it left
@@ -212,6 +230,18 @@ def _launch_gloo(fn, n, args, kwargs, timeout) -> LaunchResult:
                                           f"timeout {timeout:.0f} s)")
     ledger = Ledger.merged(n, [res["ledger"] for res in results])
     return LaunchResult([res["value"] for res in results], ledger, "gloo", n)
+
+
+def _stop(procs) -> None:
+    """Terminate the processes still running, kill those that ignore it, reap them all."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=2.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 # -- torchrun -------------------------------------------------------------------------------

@@ -1,10 +1,21 @@
 """The reference transformer, its configs and presets, initialisation, data sources, and
 the two things every strategy shares about it: where a local tensor sits in it
-(`placement`) and when gradients are ready during backward (`grad_hooks`)."""
-from .config import DEFAULT_LR, PRESETS, GPTConfig, preset
-from .gpt import GPT
-from .init import init_full_parameter, init_weights
-from .placement import Flat, Placement, Shard, assemble, placement_of, set_placement
+(`placement`) and when gradients are ready during backward (`grad_hooks`).
 
-__all__ = ["DEFAULT_LR", "GPT", "GPTConfig", "PRESETS", "preset", "init_full_parameter", "init_weights",
-           "Placement", "Shard", "Flat", "assemble", "placement_of", "set_placement"]
+Names are loaded on first use (PEP 562), so that `playground --help` reads the presets
+without importing torch."""
+import importlib
+
+_EXPORTS = {
+    "DEFAULT_LR": "config", "PRESETS": "config", "GPTConfig": "config", "preset": "config",
+    "GPT": "gpt", "init_full_parameter": "init", "init_weights": "init",
+    "Placement": "placement", "Shard": "placement", "Flat": "placement", "assemble": "placement",
+    "placement_of": "placement", "set_placement": "placement",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

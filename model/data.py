@@ -78,6 +78,10 @@ class MarkovSource:
         return torch.from_numpy(out)
 
 
+class DataError(ValueError):
+    """A data file that cannot be trained on; the message names the file and the problem."""
+
+
 class _WindowSource:
     """Random windows of seq_len+1 tokens from one long token array."""
 
@@ -85,15 +89,21 @@ class _WindowSource:
 
     def __init__(self, tokens: np.ndarray, vocab_size: int, seed: int, what: str):
         if tokens.ndim != 1:
-            raise ValueError(f"{what}: expected a 1-D array of token ids, got shape {tokens.shape}")
+            raise DataError(f"{what}: expected a 1-D array of token ids, got shape {tokens.shape}")
         self.tokens, self.vocab_size, self.seed, self.what = tokens, vocab_size, seed, what
 
     def describe(self) -> str:
         return f"{self.what}: {len(self.tokens):,} tokens, vocabulary {self.vocab_size} (no known loss floor)"
 
-    def global_batch(self, step: int, n: int, seq_len: int) -> torch.Tensor:
+    def require(self, seq_len: int) -> "_WindowSource":
+        """Refuse a file shorter than one training window."""
         if len(self.tokens) < seq_len + 1:
-            raise ValueError(f"{self.what} has {len(self.tokens)} tokens, fewer than seq_len+1 = {seq_len + 1}")
+            raise DataError(f"{self.what} has {len(self.tokens):,} tokens, fewer than one sequence of seq_len+1 = "
+                            f"{seq_len + 1}")
+        return self
+
+    def global_batch(self, step: int, n: int, seq_len: int) -> torch.Tensor:
+        self.require(seq_len)
         rng = np.random.default_rng([self.seed, step])
         starts = rng.integers(0, len(self.tokens) - seq_len, size=n)
         idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
@@ -103,31 +113,57 @@ class _WindowSource:
 class TextSource(_WindowSource):
     def __init__(self, path: str, seed: int = 0):
         data = np.fromfile(path, dtype=np.uint8)
-        super().__init__(data, 256, seed, f"text file {os.path.basename(path)} (bytes)")
+        super().__init__(data, 256, seed, f"text file {path}")
 
 
 class TokenFileSource(_WindowSource):
+    """A `.npy` array of integer token ids, or a `.bin` of uint16 ids (nanoGPT's format)."""
+
     def __init__(self, path: str, seed: int = 0, vocab_size: int | None = None):
+        what = f"token file {path}"
         if path.endswith(".npy"):
-            tokens = np.load(path, mmap_mode="r")
+            try:
+                tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+            except ValueError as e:  # a pickled object array, or not a .npy at all
+                raise DataError(f"{what}: not a NumPy array of token ids ({e})") from None
+            if not np.issubdtype(tokens.dtype, np.integer):
+                raise DataError(f"{what}: holds {tokens.dtype} values; token ids must be integers")
         elif path.endswith(".bin"):
-            tokens = np.memmap(path, dtype=np.uint16, mode="r")
+            size = os.path.getsize(path)
+            if size % 2:
+                raise DataError(f"{what}: {size:,} bytes, an odd number: a .bin holds uint16 token ids (2 bytes each)")
+            tokens = np.memmap(path, dtype=np.uint16, mode="r") if size else np.zeros(0, dtype=np.uint16)
         else:
-            raise ValueError(f"token file {path!r}: expected .npy or .bin (uint16, nanoGPT)")
-        top = int(tokens.max()) + 1 if len(tokens) else 0
-        if vocab_size is not None and top > vocab_size:
-            raise ValueError(f"token file {path!r} holds token id {top - 1}, outside vocab_size={vocab_size}")
-        super().__init__(tokens, vocab_size or top, seed, f"token file {os.path.basename(path)}")
+            raise DataError(f"{what}: expected .npy or .bin (uint16, nanoGPT)")
+        if tokens.ndim == 1 and len(tokens):
+            low, high = int(tokens.min()), int(tokens.max())
+            if low < 0:
+                raise DataError(f"{what}: holds the negative token id {low}; ids must be in [0, vocab_size)")
+            if vocab_size is not None and high >= vocab_size:
+                raise DataError(f"{what}: holds token id {high}, outside the model's vocab_size={vocab_size} "
+                                f"(ids must be < {vocab_size}; choose a model whose vocabulary covers the file)")
+            top = high + 1
+        else:
+            top = 0
+        super().__init__(tokens, vocab_size or top, seed, what)
 
 
-def make_source(data: str | None, vocab_size: int, seed: int):
-    """'markov' (default) or a path: .txt/other -> bytes, .npy/.bin -> token ids."""
+def make_source(data: str | None, vocab_size: int, seed: int, seq_len: int | None = None):
+    """'markov' (default) or a path: .npy/.bin -> token ids, any other file -> its bytes.
+    With `seq_len`, a file shorter than one sequence is refused here, before any work."""
     if data in (None, "markov"):
         return MarkovSource(vocab_size, seed)
     if not os.path.exists(data):
-        raise FileNotFoundError(f"--data {data!r}: no such file")
+        raise DataError(f"--data {data}: no such file")
+    if os.path.isdir(data):
+        raise DataError(f"--data {data}: a folder, not a file")
+    if os.path.getsize(data) == 0:
+        raise DataError(f"--data {data}: the file is empty")
     if data.endswith((".npy", ".bin")):
-        return TokenFileSource(data, seed, vocab_size)
-    if vocab_size < 256:
-        raise ValueError(f"a text file needs vocab_size >= 256 (bytes), the model has {vocab_size}")
-    return TextSource(data, seed)
+        source = TokenFileSource(data, seed, vocab_size)
+    elif vocab_size < 256:
+        raise DataError(f"--data {data}: a text file is read as bytes (256 token ids); the model's vocab_size="
+                        f"{vocab_size} is smaller (choose a model with vocab_size >= 256, e.g. --model small)")
+    else:
+        source = TextSource(data, seed)
+    return source.require(seq_len) if seq_len is not None else source

@@ -1,15 +1,15 @@
-"""The front door: `Layout`, the training loop, the equivalence check, reports, the command."""
-from .layout import Layout, LayoutError
-from .run_config import RunConfig
+"""The front door: `Layout`, `parallelize`, the training loop (`train`), the equivalence
+check (`check`), reports, the command. Names are loaded on first use (PEP 562), so that
+the command's `--help` answers without importing torch."""
+import importlib
 
-__all__ = ["Layout", "LayoutError", "RunConfig", "train", "check"]
+_EXPORTS = {"Layout": "layout", "LayoutError": "layout", "RunConfig": "run_config",
+            "parallelize": "parallelize", "ParallelModel": "parallelize",
+            "train": "training", "TrainResult": "training", "check": "equivalence", "CheckReport": "equivalence"}
+__all__ = list(_EXPORTS)
 
 
-def train(run, collect=False):
-    from .train import train as _train
-    return _train(run, collect)
-
-
-def check(run):
-    from .check import check as _check
-    return _check(run)
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

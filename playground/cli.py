@@ -1,69 +1,140 @@
-"""The `playground` command: train, check, bench (docs/architecture.md, The command)."""
+"""The `playground` command: train, check, bench (docs/architecture.md, "One training
+step"; README for the tour).
+
+Everything the command is given is checked before any rank starts (the layout, the data
+file, the memory a simulated world needs, the backend), and a problem is one line on
+stderr naming the values, with exit status 2. Ctrl-C stops a run within a second with
+one line and status 130. Heavy modules (torch) are imported only once the arguments are
+parsed, so `--help` answers at once.
+"""
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import runpy
 import sys
+import threading
 
-from model import DEFAULT_LR, PRESETS, preset
+from model.config import DEFAULT_LR, PRESETS
+from pipeline.schedules import SCHEDULES
 
-from .layout import SCHEDULES, Layout, LayoutError
-from .run_config import DTYPES, RunConfig
+from .run_config import DTYPES
 
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+class _Help(argparse.HelpFormatter):
+    """Every flag's help ends with its default, where it has one."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("parallelism-playground")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = argparse.ArgumentParser(add_help=False, formatter_class=_Help)
     g = common.add_argument_group("model and layout")
-    g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model preset (default tiny)")
-    g.add_argument("--world", type=int, help="number of ranks (default: the product of the axes)")
-    for axis in ("dp", "tp", "pp", "cp", "ep"):
-        g.add_argument(f"--{axis}", type=int, help=f"{axis} degree (default 1; dp takes what --world leaves)")
-    g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
-    g.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
-    g.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
-    g.add_argument("--microbatches", type=int, default=1, help="microbatches per step per DP rank "
-                                                                "(gradient accumulation)")
-    g.add_argument("--micro-batch-size", type=int, default=4, help="sequences per microbatch (default 4)")
+    g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model preset")
+    g.add_argument("--world", type=int, help="number of ranks (default: the product of the axes; under torchrun "
+                                             "its process count)")
+    for axis, what in (("dp", "data-parallel"), ("tp", "tensor-parallel (Megatron)"), ("pp", "pipeline-parallel"),
+                       ("cp", "context-parallel (not built yet)"), ("ep", "expert-parallel (not built yet)")):
+        g.add_argument(f"--{axis}", type=int, help=f"{what} degree (default: " +
+                       ("what --world leaves over the other axes, else 1)" if axis == "dp" else "1)"))
+    g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                   help="ZeRO stage over dp: 1 optimizer states, 2 and gradients, 3 and parameters; 0 is DDP")
+    g.add_argument("--sp", action="store_true", help="sequence parallelism with --tp (Korthikanti et al.)")
+    g.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule with --pp")
+    g.add_argument("--microbatches", type=int, default=1,
+                   help="microbatches per step per DP rank (gradient accumulation, or the pipeline's m)")
+    g.add_argument("--micro-batch-size", type=int, default=4, help="sequences per microbatch")
     g.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
-    g.add_argument("--stage-layers", help="blocks per pipeline stage, comma-separated (default: even), e.g. 1,3")
+    g.add_argument("--stage-layers", help="blocks per pipeline stage, comma-separated, e.g. 1,3 (default: even)")
     t = common.add_argument_group("training")
-    t.add_argument("--steps", type=int)
-    t.add_argument("--lr", type=float, help="AdamW learning rate (default: the preset's, e.g. 3e-3 tiny, 3e-4 350m)")
-    t.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
-                   help="bfloat16: float32 weights with bf16 autocast compute")
-    t.add_argument("--reduce-dtype", choices=sorted(DTYPES),
+    t.add_argument("--steps", type=int, help="optimizer steps (default: 20 for train, 3 for check)")
+    t.add_argument("--lr", type=float, help="AdamW learning rate (default: the preset's, e.g. "
+                                            + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items()) + ")")
+    t.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="bfloat16: float32 weights with bf16 compute; float16: ZeRO's fp16 compute copies with "
+                        "dynamic loss scaling")
+    t.add_argument("--reduce-dtype", choices=DTYPES,
                    help="ZeRO: the dtype gradients are reduced in (default: the compute dtype of --dtype)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--data", help="'markov' (default: synthetic, known loss floor), a text file, or tokens "
-                                  "(.npy, or .bin of uint16)")
+    t.add_argument("--seed", type=int, default=0, help="seed of the weights and of the data")
+    t.add_argument("--data", help="'markov' (default: a synthetic chain with a known loss floor), a text file (read "
+                                  "as bytes), or token ids (.npy of integers, or .bin of uint16)")
     t.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size in MiB")
     t.add_argument("--backend", default="sim", choices=["sim", "gloo", "torch"],
-                   help="sim: threads in this process; gloo: local processes; torch: under torchrun")
-    t.add_argument("--no-progress", action="store_true")
+                   help="sim: ranks as threads of this process; gloo: local processes; torch: one rank of a "
+                        "torchrun job (NCCL on GPUs)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
     o = common.add_argument_group("simulated time and output")
-    o.add_argument("--hardware", help="simulate time on a profile: h100-sxm, a100-80gb, h200, or a TOML/JSON file "
-                                      "(sim backend)")
-    o.add_argument("--trace", help="write a Chrome/Perfetto trace of the simulated time of every rank "
-                                   "(with --hardware; open in ui.perfetto.dev)")
+    o.add_argument("--hardware", help="simulate time and memory on a profile: h100-sxm, a100-80gb, h200, or a "
+                                      "TOML/JSON file (sim backend)")
     o.add_argument("--count-every-step", action="store_true",
-                   help="with --hardware: count the ops of every step (slower) instead of replaying step 2's compute "
-                        "on later steps")
-    o.add_argument("--plots", help="write PNG plots to this folder: loss, bytes by label; with --hardware also "
-                                   "the timeline of the last step and memory by category")
+                   help="with --hardware: count the ops of every step (slower) instead of replaying step 2's compute")
+    o.add_argument("--trace", help="write a Chrome/Perfetto trace of every rank's simulated time to this file "
+                                   "(with --hardware; open it in ui.perfetto.dev)")
+    o.add_argument("--plots", help="write PNG plots to this folder (train: loss, bytes by label, with --hardware "
+                                   "the last step's timeline and memory; check: the errors per tensor)")
+    o.add_argument("--json", help="write a machine-readable summary to this file (schema: docs/json.md)")
 
-    p = argparse.ArgumentParser(prog="playground", description="Distributed training on simulated ranks.")
-    sub = p.add_subparsers(dest="verb", required=True)
-    sub.add_parser("train", parents=[common], help="train and report loss, throughput and bytes per rank")
-    sub.add_parser("check", parents=[common], help="prove a layout matches one device (exit 0 only if it does)")
-    b = sub.add_parser("bench", help="run a benchmark script from benchmarks/ by name")
-    b.add_argument("name")
-    b.add_argument("args", nargs=argparse.REMAINDER)
+    p = argparse.ArgumentParser(prog="playground", formatter_class=_Help,
+                                description="Distributed training on simulated ranks: every byte counted, every "
+                                            "layout checked against one device.")
+    p.add_argument("--version", action="version", version=f"playground {_version()}")
+    sub = p.add_subparsers(dest="verb", required=True, metavar="{train,check,bench}")
+    sub.add_parser("train", parents=[common], formatter_class=_Help,
+                   help="train and report loss, throughput, bytes per rank, simulated time and memory")
+    sub.add_parser("check", parents=[common], formatter_class=_Help,
+                   help="prove a layout computes what one device computes (exit status 0 only if it does)")
+    b = sub.add_parser("bench", formatter_class=_Help, help="run a benchmark by name; without a name, list them")
+    b.add_argument("name", nargs="?", help="the benchmark (see the list: playground bench)")
+    b.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark script")
     return p
 
 
+def benchmarks() -> dict:
+    """{name: the first line of its docstring} of the benchmark scripts."""
+    out = {}
+    if os.path.isdir(BENCHMARKS):
+        for f in sorted(os.listdir(BENCHMARKS)):
+            if f.endswith(".py") and not f.startswith("_"):
+                with open(os.path.join(BENCHMARKS, f)) as fh:
+                    doc = ast.get_docstring(ast.parse(fh.read())) or ""
+                first = doc.split("\n\n")[0].replace("\n", " ").removeprefix("Benchmark: ").removeprefix("Benchmark ")
+                out[f[:-3]] = first.split(". ")[0].rstrip(".")
+    return out
+
+
+def _bench(args) -> int:
+    names = benchmarks()
+    if args.name is None:
+        print("benchmarks (playground bench NAME [ARGS]; each prints a table and writes JSON):")
+        for name, doc in names.items():
+            print(f"  {name:<22} {doc}")
+        return 0
+    if args.name not in names:
+        print(f"playground bench: no benchmark {args.name!r}; choose one of {sorted(names)}", file=sys.stderr)
+        return 2
+    path = os.path.join(BENCHMARKS, f"{args.name}.py")
+    sys.argv = [path, *args.args]
+    runpy.run_path(path, run_name="__main__")
+    return 0
+
+
 def _stage_layers(text):
+    from .layout import LayoutError
     if text is None:
         return None
     try:
@@ -72,10 +143,23 @@ def _stage_layers(text):
         raise LayoutError(f"--stage-layers {text!r}: give comma-separated block counts, e.g. 1,3") from None
 
 
-def run_config(args, default_steps: int) -> RunConfig:
+def run_config(args, default_steps: int):
+    """The RunConfig of the arguments, every input checked (raises ValueError naming it)."""
+    from model import preset
+    from model.data import make_source
+
+    from .capacity import check_simulated_memory
+    from .layout import Layout
+    from .run_config import RunConfig
+
     world = args.world
-    if world is None and args.backend == "torch" and "WORLD_SIZE" in os.environ:
+    if args.backend == "torch" and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
+        raise ValueError("--backend torch runs one rank of a torchrun job, and RANK/WORLD_SIZE are not set: start it "
+                         "as `torchrun --nproc_per_node N -m playground ...`, or use --backend gloo for local processes")
+    if world is None and args.backend == "torch":
         world = int(os.environ["WORLD_SIZE"])  # under torchrun the world is its process count
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps {args.steps}: must be at least 1")
     layout = Layout.from_counts(
         world=world, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
         schedule=args.schedule, microbatches=args.microbatches, virtual_stages=args.virtual_stages,
@@ -84,18 +168,24 @@ def run_config(args, default_steps: int) -> RunConfig:
     cfg = preset(args.model)
     layout.validate(cfg)
     if args.hardware:
-        from simulator.hardware import load_hardware
+        from simulator import load_hardware
         load_hardware(args.hardware)  # an unknown profile fails here, before any work
-    if getattr(args, "plots", None) and os.path.exists(args.plots) and not os.path.isdir(args.plots):
-        raise ValueError(f"--plots {args.plots}: exists and is not a folder")
+    for flag, path in (("--plots", args.plots), ("--json", args.json), ("--trace", args.trace)):
+        if path and flag == "--plots" and os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"--plots {path}: exists and is not a folder")
+        if path and flag != "--plots" and os.path.isdir(path):
+            raise ValueError(f"{flag} {path}: is a folder; give a file name")
     if args.trace and not args.hardware:
         raise ValueError("--trace needs --hardware: without a profile there is no simulated time to draw")
+    make_source(args.data, cfg.vocab_size, args.seed, cfg.seq_len)  # a bad data file fails here
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.model]
-    return RunConfig(model=cfg, layout=layout, steps=args.steps or default_steps, lr=lr, dtype=args.dtype,
-                     reduce_dtype=args.reduce_dtype,
-                     seed=args.seed, data=args.data, bucket_cap_mb=args.bucket_mb, backend=args.backend,
-                     progress=not args.no_progress, hardware=args.hardware,
-                     count_every_step=args.count_every_step)
+    run = RunConfig(model=cfg, layout=layout, steps=args.steps or default_steps, lr=lr, dtype=args.dtype,
+                    reduce_dtype=args.reduce_dtype, seed=args.seed, data=args.data, bucket_cap_mb=args.bucket_mb,
+                    backend=args.backend, progress=not args.no_progress, hardware=args.hardware,
+                    count_every_step=args.count_every_step)
+    if run.backend == "sim":
+        check_simulated_memory(run)
+    return run
 
 
 def _is_rank0(backend: str) -> bool:
@@ -106,48 +196,81 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _main(args)
+    except KeyboardInterrupt:
+        print(f"\nplayground {args.verb}: interrupted", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if any(t.name.startswith("sim-rank-") and t.is_alive() for t in threading.enumerate()):
+            # simulated ranks may be inside torch ops: leave at once, without the interpreter's
+            # teardown (which would wait on them, or abort while they run)
+            os._exit(130)
+        return 130
     finally:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():  # torchrun: leave NCCL/gloo cleanly
-            import torch
-            cuda = dist.get_backend() == "nccl"
-            dist.barrier(device_ids=[torch.cuda.current_device()] if cuda else None)
-            dist.destroy_process_group()
+        if "torch.distributed" in sys.modules:
+            import torch.distributed as dist
+            if dist.is_available() and dist.is_initialized():  # torchrun: leave NCCL/gloo cleanly
+                import torch
+                cuda = dist.get_backend() == "nccl"
+                dist.barrier(device_ids=[torch.cuda.current_device()] if cuda else None)
+                dist.destroy_process_group()
 
 
 def _main(args) -> int:
     if args.verb == "bench":
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        path = os.path.join(root, "benchmarks", f"{args.name}.py")
-        if not os.path.exists(path):
-            names = sorted(f[:-3] for f in os.listdir(os.path.join(root, "benchmarks"))
-                           if f.endswith(".py") and not f.startswith("_"))
-            print(f"playground bench: no benchmark {args.name!r}; choose one of {names}", file=sys.stderr)
-            return 2
-        sys.argv = [path, *args.args]
-        runpy.run_path(path, run_name="__main__")
-        return 0
+        return _bench(args)
+    from collectives import CollectiveError, RankFailedError
+    from model.data import DataError
+
+    from .layout import LayoutError
     try:
         run = run_config(args, default_steps=20 if args.verb == "train" else 3)
-    except (LayoutError, ValueError, FileNotFoundError) as e:  # includes an unknown --hardware
+    except (LayoutError, DataError, ValueError, FileNotFoundError) as e:  # includes an unknown --hardware
         print(f"playground {args.verb}: {e}", file=sys.stderr)
         return 2
-    from .report import check_summary, train_summary
-    if args.verb == "train":
-        from .train import train
-        res = train(run)
-        if _is_rank0(run.backend):
-            print(train_summary(res))
-            if args.trace:
-                from simulator.trace import write_chrome_trace
-                write_chrome_trace(args.trace, res.ledger, res.clocks)
-                print(f"\ntrace: {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
-            if args.plots:
-                from .plots import write_plots
-                print("\nplots: " + ", ".join(write_plots(res, args.plots)))
+    try:
+        return _train(args, run) if args.verb == "train" else _check(args, run)
+    except RankFailedError as e:  # one line: the rank and what it raised
+        cause = e.__cause__
+        where = f": {type(cause).__name__}: {cause}" if cause is not None else f": {str(e).splitlines()[0]}"
+        print(f"playground {args.verb}: rank {e.rank} failed{where}", file=sys.stderr)
+        return 1
+    except CollectiveError as e:  # a mismatch or a deadlock: the message names every rank
+        print(f"playground {args.verb}: {e}", file=sys.stderr)
+        return 1
+
+
+def _train(args, run) -> int:
+    from .report import train_summary
+    from .training import train
+    res = train(run)
+    if not _is_rank0(run.backend):
         return 0
-    from .check import check
+    print(train_summary(res))
+    if args.trace:
+        from simulator.trace import write_chrome_trace
+        write_chrome_trace(args.trace, res.ledger, res.clocks)
+        print(f"\ntrace: {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
+    if args.plots:
+        from .plots import write_plots
+        print("\nplots: " + ", ".join(write_plots(res, args.plots)))
+    if args.json:
+        from .summary import train_json, write_json
+        write_json(args.json, train_json(res))
+        print(f"\njson: {args.json}")
+    return 0
+
+
+def _check(args, run) -> int:
+    from .equivalence import check
+    from .report import check_summary
     rep = check(run)
     if _is_rank0(run.backend):
         print(check_summary(rep))
+        if args.plots:
+            from .plots import write_check_plot
+            print("\nplots: " + write_check_plot(rep, args.plots))
+        if args.json:
+            from .summary import check_json, write_json
+            write_json(args.json, check_json(rep))
+            print(f"\njson: {args.json}")
     return 0 if rep.passed else 1

@@ -32,7 +32,7 @@ from pipeline import PipelineExecutor, build_schedule, split_stages
 from tensor_parallel import parallelize_tensor
 from zero import ZeroDataParallel
 
-from .run_config import DTYPES
+from .run_config import torch_dtype
 
 
 # -- how a step runs ---------------------------------------------------------------------------
@@ -179,13 +179,13 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None) -> Paral
     label = (lambda s, name: f"{name}.stage{s}") if layout.pp > 1 else (lambda s, name: name)
     if zero:
         syncs = [ZeroDataParallel(part, dp, layout.zero, units=list(part.blocks.values()), lr=run.lr,
-                                  betas=run.betas, weight_decay=run.weight_decay, compute_dtype=DTYPES[run.dtype],
-                                  reduce_dtype=DTYPES[run.reduce_dtype] if run.reduce_dtype else None,
+                                  betas=run.betas, weight_decay=run.weight_decay, compute_dtype=torch_dtype(run.dtype),
+                                  reduce_dtype=torch_dtype(run.reduce_dtype) if run.reduce_dtype else None,
                                   memory=memory, label=label(s, "zero"))
                  for s, part in zip(stages, parts)]
         optimizer = ShardedOptimizer(syncs)
         autocast = contextlib.nullcontext()  # ZeRO computes in its compute copies' dtype
-        hidden_dtype = DTYPES[run.dtype] if run.dtype in ("bfloat16", "float16") else run.param_dtype
+        hidden_dtype = torch_dtype(run.dtype) if run.dtype in ("bfloat16", "float16") else run.param_dtype
     else:
         syncs = [DistributedDataParallel(part, dp, bucket_cap_mb=run.bucket_cap_mb, label=label(s, "ddp"))
                  for s, part in zip(stages, parts)]

@@ -6,32 +6,31 @@
 - memory.png: peak memory per rank by category (needs --hardware);
 - loss.png: the loss curve against the source's floor;
 - schedule.png: with --pp, the pipeline schedule as the classic picture (ranks by time,
-  forward and backward boxes numbered by microbatch, equal stage costs).
+  forward and backward boxes numbered by microbatch, equal stage costs);
+- check.png (`playground check --plots`): each tensor's relative error against the
+  tolerance, gradients and weights.
+
+Every series has its own colour (however many labels), legends sit outside the plot.
 """
 from __future__ import annotations
 
 import os
-import re
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from pipeline import build_schedule  # noqa: E402
+from .summary import label_family  # noqa: E402
 from pipeline.schedules import timeline as schedule_timeline  # noqa: E402
 
 COLORS = {"compute": "#4C72B0", "comm": "#DD8452"}
 
 
-def _family(label: str) -> str:
-    m = re.fullmatch(r"(.*\D)\d+", label)
-    return m.group(1) + "*" if m else label
-
-
 def timeline(res, path: str) -> None:
     """The last step's window on every rank: compute segments and communication calls."""
-    steps = res.values[0]["sim_steps"]
     end = max(c.now for c in res.clocks)
     start = end - max(v["sim_steps"][-1]["time"] for v in res.values)
     n = len(res.clocks)
@@ -48,9 +47,20 @@ def timeline(res, path: str) -> None:
     ax.set_xlabel("simulated time in the last step (ms)")
     ax.set_title(f"Last step on {res.run.hardware}: compute (blue, upper) and communication (orange, lower) "
                  f"per rank; gaps in blue are waits", fontsize=9)
-    del steps
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save(fig, path)
+
+
+def distinct_colors(n: int) -> list:
+    """n colours no two alike: tab10, tab20, or evenly spaced hues beyond 20."""
+    if n <= 10:
+        return [plt.get_cmap("tab10")(i) for i in range(n)]
+    if n <= 20:
+        return [plt.get_cmap("tab20")(i) for i in range(n)]
+    return [plt.get_cmap("hsv")(i / n) for i in range(n)]
+
+
+def _save(fig, path: str) -> None:
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # keeps a legend placed outside the axes
     plt.close(fig)
 
 
@@ -59,24 +69,23 @@ def _stacked_per_rank(series: dict, ylabel: str, title: str, path: str) -> None:
     n = len(next(iter(series.values())))
     fig, ax = plt.subplots(figsize=(max(6, 0.5 * n + 3), 4))
     bottom = [0.0] * n
-    for name, vals in series.items():
-        ax.bar(range(n), vals, bottom=bottom, label=name)
+    for (name, vals), color in zip(series.items(), distinct_colors(len(series))):
+        ax.bar(range(n), vals, bottom=bottom, label=name, color=color)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xticks(range(n))
     ax.set_xlabel("rank")
     ax.set_ylabel(ylabel)
+    ax.set_ylim(0, max(bottom) * 1.08 if max(bottom) > 0 else 1)  # the tallest bar is not clipped
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    _save(fig, path)
 
 
 def bytes_by_label(res, path: str) -> None:
     steps = len(res.losses)
     per_rank = res.ledger.totals("label")
-    families = sorted({_family(k) for labels in per_rank.values() for k in labels})
-    series = {fam: [sum(t.bytes_sent for k, t in per_rank[r].items() if _family(k) == fam) / steps / 2**20
+    families = sorted({label_family(k) for labels in per_rank.values() for k in labels})
+    series = {fam: [sum(t.bytes_sent for k, t in per_rank[r].items() if label_family(k) == fam) / steps / 2**20
                     for r in range(len(per_rank))] for fam in families}
     _stacked_per_rank(series, "MiB sent per step",
                       "Bytes each rank sends per step, by ledger label (setup spread over the steps)", path)
@@ -96,12 +105,11 @@ def loss(res, path: str) -> None:
     if res.loss_floor is not None:
         ax.axhline(res.loss_floor, color="gray", linestyle="--", label=f"floor {res.loss_floor:.3f} (entropy rate)")
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title("Training loss")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 KIND_COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#8FBC8F", "W": "#C4A000"}
@@ -129,9 +137,7 @@ def pipeline_schedule(res, path: str) -> None:
     ax.set_title(f"{layout.schedule}: pp={p}, {layout.microbatches} microbatches"
                  + (f", {v} chunks per rank" if v > 1 else "")
                  + f"; F forward, B backward (I input grad, W weight grad); bubble {bubble:.0%}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def write_plots(res, directory: str) -> list:
@@ -149,3 +155,33 @@ def write_plots(res, directory: str) -> list:
         fn(res, path)
         written.append(path)
     return written
+
+
+def write_check_plot(rep, directory: str) -> str:
+    """check.png: every tensor's max relative error (log scale) for the gradients and the
+    weights, against the dtype's tolerance; a failing tensor stands above its line."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "check.png")
+    kinds = [w for w in ("grad", "weight") if any(r.what == w for r in rep.rows)]
+    names = [r.name for r in rep.rows if r.what == kinds[0]]
+    fig, axes = plt.subplots(len(kinds), 1, figsize=(max(7, 0.28 * len(names) + 2), 2.6 * len(kinds)), squeeze=False,
+                             sharex=True)
+    floor = 1e-18  # exact zeros drawn at the bottom of the log scale
+    for ax, kind, color in zip(axes[:, 0], kinds, distinct_colors(len(kinds))):
+        rows = [r for r in rep.rows if r.what == kind]
+        ax.bar(range(len(rows)), [max(r.max_rel, floor) for r in rows], color=[color if r.ok else "red" for r in rows])
+        tol = rep.tolerance[kind]
+        if tol is not None:
+            ax.axhline(tol, color="black", linestyle="--", linewidth=1, label=f"tolerance {tol:.0e}")
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+        ax.set_yscale("log")
+        ax.set_ylabel("max rel. error")
+        ax.set_title(f"{'gradients after the first backward' if kind == 'grad' else 'weights after the last step'}"
+                     f" ({'over max |reference|' if kind == 'grad' else 'over the reference update'})", fontsize=9)
+    last = axes[-1, 0]
+    last.set_xticks(range(len(names)))
+    last.set_xticklabels(names, rotation=90, fontsize=6)
+    verdict = "PASS" if rep.passed else "FAIL"
+    fig.suptitle(f"playground check: {rep.run.layout.describe()}, {rep.run.dtype}: {verdict}", fontsize=10)
+    _save(fig, path)
+    return path

@@ -1,16 +1,12 @@
 """Terminal reports of `train` and `check`."""
 from __future__ import annotations
 
-import re
 
-from collectives.ledger import Totals, human_bytes
+from collectives.ledger import human_bytes
 from pipeline import build_schedule
 from pipeline import table as schedule_text
 
-def _setup(label: str) -> bool:
-    """Calls made once per run, not per step: DDP's initial broadcast of the weights
-    (`ddp.broadcast`, `ddp.stage3.broadcast`)."""
-    return label.startswith("ddp") and label.endswith(".broadcast")
+from .summary import communication, label_family
 
 
 def table(header, rows, left: int = 2) -> str:
@@ -37,44 +33,33 @@ def _rank_ranges(ranks) -> str:
     return ",".join(out)
 
 
-def _collapse(labels: dict) -> dict:
-    """Merge numbered labels of one family (ddp.bucket0, ddp.bucket1, ...) into one row
-    `ddp.bucket* (N)`."""
-    out: dict = {}
-    families: dict = {}
-    for label in labels:
-        m = re.fullmatch(r"(.*\D)\d+", label)
-        families.setdefault(m.group(1) if m else label, []).append(label)
-    for family, members in families.items():
-        if len(members) == 1:
-            out[members[0]] = labels[members[0]]
-            continue
-        t = Totals()
-        for name in members:
-            x = labels[name]
-            t.calls += x.calls
-            t.size += x.size
-            t.bytes_sent += x.bytes_sent
-            t.bytes_recv += x.bytes_recv
-        out[f"{family}* ({len(members)})"] = t
-    return out
-
-
 def bytes_per_step(ledger, steps: int) -> str:
-    """Per rank and label, calls and bytes per step; numbered labels of one family are
-    merged, and so are ranks with identical rows."""
-    per_rank = {r: _collapse(labels) for r, labels in ledger.totals("label").items()}
+    """Per rank and label, calls and bytes per step and the algorithm that moved them;
+    numbered labels of one family are merged (`ddp.bucket* (62)`), so are ranks with
+    identical rows, and labels that moved no bytes are left out."""
+    per_rank: dict = {}
+    for row in communication(ledger, steps):
+        fresh = {"calls": 0, "sent": 0, "recv": 0, "alg": set(), "labels": set(), "setup": row["setup"]}
+        t = per_rank.setdefault(row["rank"], {}).setdefault(label_family(row["label"]), fresh)
+        t["calls"] += row["calls_per_step"]
+        t["sent"] += row["bytes_sent_per_step"]
+        t["recv"] += row["bytes_received_per_step"]
+        t["alg"].update(row["algorithms"])
+        t["labels"].add(row["label"])
     by_signature: dict = {}
     for r, labels in per_rank.items():
-        sig = tuple(sorted((k, t.calls, t.bytes_sent, t.bytes_recv) for k, t in labels.items()))
+        sig = tuple(sorted((k if len(t["labels"]) > 1 else min(t["labels"]), len(t["labels"]), t["calls"], t["sent"],
+                            t["recv"], ",".join(sorted(t["alg"])), t["setup"]) for k, t in labels.items()))
         by_signature.setdefault(sig, []).append(r)
     rows = []
     for sig, ranks in sorted(by_signature.items(), key=lambda kv: kv[1][0]):
-        for label, calls, sent, recv in sig:
-            per = 1 if _setup(label) else steps
-            rows.append([_rank_ranges(ranks), label + (" (setup, once)" if per == 1 else ""),
-                         f"{calls / per:g}", human_bytes(sent / per), human_bytes(recv / per)])
-    return table(["ranks", "label", "calls/step", "sent/step", "received/step"], rows)
+        for label, n, calls, sent, recv, alg, setup in sig:
+            name = f"{label} ({n})" if n > 1 else label
+            rows.append([_rank_ranges(ranks), name + (" (setup, once)" if setup else ""), alg, f"{calls:g}",
+                         human_bytes(sent), human_bytes(recv)])
+    if not rows:
+        return "(no bytes moved: a single rank)"
+    return table(["ranks", "label", "algorithm", "calls/step", "sent/step", "received/step"], rows, left=3)
 
 
 def train_summary(res) -> str:
@@ -133,7 +118,7 @@ def simulated_time(res) -> str:
     rows = []
     for r in sorted({0, slowest}):
         b = per_rank[r]
-        rows.append([f"rank {r}", f"{b['time'] * 1e3:.3f} ms", f"{b['compute'] * 1e3:.3f} ms",
+        rows.append([f"rank {r}" + (" (slowest)" if r == slowest and len(per_rank) > 1 else ""), f"{b['time'] * 1e3:.3f} ms", f"{b['compute'] * 1e3:.3f} ms",
                      f"{b['exposed_comm'] * 1e3:.3f} ms", f"{b['idle'] * 1e3:.3f} ms"])
     tokens = res.run.tokens_per_step / per_rank[slowest]["time"]
     return (f"\nsimulated on {res.run.hardware} (median step; roofline per op, alpha-beta per collective): "
@@ -153,7 +138,7 @@ def memory_table(res) -> str:
     rows = []
     for r in sorted({0, top}):
         m = per_rank[r]
-        row = [f"rank {r}", human_bytes(m["parameters"]), human_bytes(m["gradients"]), human_bytes(m["optimizer"]),
+        row = [f"rank {r}" + (" (largest peak)" if r == top and len(per_rank) > 1 else ""), human_bytes(m["parameters"]), human_bytes(m["gradients"]), human_bytes(m["optimizer"]),
                human_bytes(m["peak_activations"]) if hw else "-", human_bytes(m["peak_comm_buffers"]),
                human_bytes(m["peak_total"])]
         rows.append(row + ([f"{100 * m['peak_total'] / capacity:.2f}%"] if hw else []))

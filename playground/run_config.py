@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from model import GPTConfig, preset
 
 from .layout import Layout
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+def torch_dtype(name: str):
+    import torch
+    return getattr(torch, name)
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ class RunConfig:
     @property
     def param_dtype(self):
         """Weights, gradients and optimizer states: bfloat16 runs keep them in float32."""
-        return torch.float32 if self.dtype in ("bfloat16", "float16") else DTYPES[self.dtype]
+        return torch_dtype("float32" if self.dtype in ("bfloat16", "float16") else self.dtype)
 
     @property
     def tokens_per_step(self) -> int:

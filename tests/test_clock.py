@@ -169,7 +169,7 @@ def test_replayed_steps_match_steps_counted_op_by_op(axes):
     step (compute, exposed communication, idle) and memory equal counting every op (DDP,
     ZeRO-3 with its gathers and prefetches, a pipeline with its sends and receives)."""
     from playground import Layout, RunConfig
-    from playground.train import train
+    from playground.training import train
 
     def run(every):
         cfg = preset("tiny", n_layers=2)

@@ -9,8 +9,8 @@ import torch
 
 from model import GPT, Placement, preset
 from playground import Layout, LayoutError, RunConfig
-from playground.check import check
-from playground.train import train
+from playground.equivalence import check
+from playground.training import train
 from tensor_parallel import parallelize_tensor
 from zero.zero import unit_specs
 

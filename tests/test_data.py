@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from model.data import MarkovSource, TextSource, TokenFileSource, make_source
+from model.data import DataError, MarkovSource, TextSource, TokenFileSource, make_source
 
 
 def test_markov_floor_is_the_chain_own_cross_entropy():
@@ -51,9 +51,9 @@ def test_text_and_token_files(tmp_path):
         s = make_source(str(tmp_path / name), 128, 0)
         assert isinstance(s, TokenFileSource) and s.vocab_size == 128
         assert s.global_batch(0, 2, 8).max() < 97
-    with pytest.raises(ValueError, match="outside vocab_size=50"):
+    with pytest.raises(DataError, match="outside the model's vocab_size=50"):
         make_source(str(tmp_path / "t.npy"), 50, 0)
-    with pytest.raises(ValueError, match="needs vocab_size >= 256"):
+    with pytest.raises(DataError, match="the model's vocab_size=64 is smaller"):
         make_source(str(text), 64, 0)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(DataError, match="no such file"):
         make_source(str(tmp_path / "missing.txt"), 256, 0)

@@ -7,7 +7,7 @@ from collectives import launch
 from ddp import DistributedDataParallel
 from model import GPT, preset
 from playground import Layout, RunConfig
-from playground.check import check
+from playground.equivalence import check
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])

@@ -6,7 +6,7 @@ from collectives import launch
 from simulator.memory import MemoryTracker
 from model import GPT, preset
 from playground import Layout, RunConfig
-from playground.train import train
+from playground.training import train
 
 
 def test_model_states_are_exact_in_a_ddp_run():

@@ -7,7 +7,7 @@ from pipeline import ScheduleError, build_schedule, makespan, table
 from pipeline import partition
 from playground import Layout, LayoutError, RunConfig
 from playground.bubble import measure, theory
-from playground.check import check
+from playground.equivalence import check
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1", 1)]
 
@@ -42,7 +42,7 @@ def test_pipeline_with_data_parallelism_and_float32(schedule, v):
     rep = check(run)
     assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
     # DP synchronises each stage's gradients once per step (one bucket per stage here), not per microbatch
-    from playground.train import train
+    from playground.training import train
     res = train(run)
     for r in range(run.layout.world):
         buckets = [e for e in res.ledger.for_rank(r) if ".bucket" in e.label]
@@ -114,7 +114,7 @@ def test_split_backward_does_the_work_of_one_backward():
     """With counted compute (no fixed costs), ZB-H1's I + W cost each rank what 1F1B's B
     does (W takes each layer's weight gradient from the output gradient I kept, it does
     not walk the graph again), and the step is no longer than 1F1B's."""
-    from playground.train import train
+    from playground.training import train
     steps = {}
     for schedule in ("1f1b", "zb1"):
         run = _run(4, 8, schedule, n_layers=4)

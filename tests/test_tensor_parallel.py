@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from collectives import launch
 from model import preset
 from playground import Layout, RunConfig
-from playground.check import check
-from playground.train import train
+from playground.equivalence import check
+from playground.training import train
 from tensor_parallel import vocab_parallel_cross_entropy
 from tensor_parallel.layers import shard_range
 

@@ -3,7 +3,7 @@ import torch
 
 from model import preset
 from playground import Layout, RunConfig
-from playground.train import train
+from playground.training import train
 
 
 def test_loss_falls_toward_the_floor():

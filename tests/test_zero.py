@@ -10,8 +10,8 @@ from collectives import Mesh, launch
 from simulator.memory import MemoryTracker
 from model import GPT, preset
 from playground import Layout, RunConfig
-from playground.check import check
-from playground.train import train
+from playground.equivalence import check
+from playground.training import train
 from zero import DynamicLossScaler, ZeroDataParallel
 from zero.zero import unit_specs
 

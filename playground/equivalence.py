@@ -25,7 +25,7 @@ from model.data import make_source
 
 from .run_config import RunConfig
 from model import assemble
-from .train import train
+from .training import train
 
 # tolerance of the relative error, by dtype and quantity (None: reported, not judged)
 TOLERANCE = {
@@ -50,6 +50,7 @@ class CheckReport:
     tolerance: dict  # by quantity
     rows: list
     problems: list  # coverage / replica problems from gathering
+    result: object = None  # the layout's TrainResult (losses, ledger, memory, ...)
 
     @property
     def passed(self) -> bool:
@@ -111,4 +112,4 @@ def check(run: RunConfig) -> CheckReport:
             if name in full:
                 scale = (r - init[name]).abs().max().item() if what == "weight" else None
                 rows.append(_compare(what, name, full[name], r, tol[what], scale))
-    return CheckReport(run, tol, rows, problems)
+    return CheckReport(run, tol, rows, problems, res)

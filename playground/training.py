@@ -49,6 +49,14 @@ def _device(run: RunConfig) -> str:
     return "cpu"
 
 
+def _progress_bar(steps: int):
+    """Rank 0's progress bar. One process writes it, so tqdm gets a thread lock: its default
+    multiprocessing lock would be left behind (and reported by multiprocessing's resource
+    tracker) when a gloo rank process is stopped."""
+    tqdm.set_lock(threading.RLock())
+    return tqdm(total=steps, desc="train", unit="step", dynamic_ncols=True)
+
+
 def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dict:
     """One rank's program. With `collect`, also returns the pieces of the gradients after
     the first backward and of the weights after the last step (for the equivalence check).
@@ -69,8 +77,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
     out = {"losses": [], "step_times": [], "sim_steps": [], "memory": None}
     timing = world.timing if run.hardware else None  # the simulator's clock and compute model
     clock = timing.clock if timing else None
-    bar = tqdm(total=run.steps, desc="train", unit="step", disable=not (run.progress and world.rank == 0),
-               dynamic_ncols=True)
+    bar = _progress_bar(run.steps) if run.progress and world.rank == 0 else None
     for step in range(run.steps):
         t0 = time.perf_counter()
         replay = None if run.count_every_step else ("record" if step == 1 else "replay" if step > 1 else None)
@@ -93,10 +100,11 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
                 out["sim_steps"].append({k: sim1[k] - sim0[k] for k in sim1})
             out["losses"].append(total.item())
         out["step_times"].append(time.perf_counter() - t0)
-        bar.set_postfix(loss=f"{out['losses'][-1]:.4f}",
-                        tok_s=f"{run.tokens_per_step / out['step_times'][-1]:,.0f}")
-        bar.update()
-    bar.close()
+        if bar is not None:
+            bar.set_postfix(loss=f"{out['losses'][-1]:.4f}", tok_s=f"{run.tokens_per_step / out['step_times'][-1]:,.0f}")
+            bar.update()
+    if bar is not None:
+        bar.close()
     if device.startswith("cuda"):  # to hold the accounting against what the allocator saw
         out["cuda_peak_allocated"] = torch.cuda.max_memory_allocated()
     if collect:

@@ -1,0 +1,102 @@
+"""Machine-readable summaries of `train` and `check` (`--json FILE`), with the schema of
+docs/json.md. Tests read these instead of parsing the tables."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import defaultdict
+
+SCHEMA_VERSION = 1
+
+
+def label_family(label: str) -> str:
+    """Numbered labels of one family (ddp.bucket0, ddp.bucket1, ...) share `ddp.bucket*`."""
+    m = re.fullmatch(r"(.*\D)\d+", label)
+    return m.group(1) + "*" if m else label
+
+
+def _setup(label: str) -> bool:
+    """Calls made once per run, not per step: DDP's initial broadcast of the weights."""
+    return label.startswith("ddp") and label.endswith(".broadcast")
+
+
+def communication(ledger, steps: int) -> list:
+    """Per rank and label: op(s), algorithm(s), calls, bytes sent and received per step
+    (setup calls, made once, are not divided by the steps); labels that moved no bytes
+    on a rank are left out."""
+    acc = defaultdict(lambda: {"calls": 0, "sent": 0, "received": 0, "ops": set(), "algorithms": set()})
+    for r, entries in enumerate(ledger.per_rank):
+        for e in entries:
+            a = acc[(r, e.label)]
+            a["calls"] += 1
+            a["sent"] += e.bytes_sent
+            a["received"] += e.bytes_recv
+            a["ops"].add(e.op)
+            a["algorithms"].add(e.algorithm)
+    out = []
+    for (r, label), a in sorted(acc.items()):
+        if a["sent"] == 0 and a["received"] == 0:
+            continue
+        per = 1 if _setup(label) else steps
+        out.append({"rank": r, "label": label, "ops": sorted(a["ops"]), "algorithms": sorted(a["algorithms"]),
+                    "setup": per == 1, "calls_per_step": a["calls"] / per,
+                    "bytes_sent_per_step": a["sent"] / per, "bytes_received_per_step": a["received"] / per})
+    return out
+
+
+def _run_json(run) -> dict:
+    layout = {**run.layout.to_dict(), "world": run.layout.world, "global_batch": run.layout.global_batch}
+    if layout.get("stage_layers") is not None:
+        layout["stage_layers"] = list(layout["stage_layers"])
+    return {
+        "layout": layout,
+        "model": {**run.model.to_dict(), "n_params": run.model.n_params()},
+        "run": {"steps": run.steps, "dtype": run.dtype, "reduce_dtype": run.reduce_dtype, "backend": run.backend,
+                "hardware": run.hardware, "seed": run.seed, "lr": run.lr, "data": run.data or "markov",
+                "tokens_per_step": run.tokens_per_step},
+    }
+
+
+def train_json(res) -> dict:
+    run = res.run
+    steps = len(res.losses)
+    out = {"schema": f"playground.train/{SCHEMA_VERSION}", **_run_json(run), "data": res.data,
+           "loss": {"per_step": res.losses, "floor": res.loss_floor},
+           "throughput": {"tokens_per_s": res.tokens_per_s, "step_times_s": res.step_times, "wall_s": res.wall_s}}
+    out["memory"] = []
+    for r, v in enumerate(res.values):
+        m = dict(v.get("memory") or {})
+        if "cuda_peak_allocated" in v:
+            m["cuda_peak_allocated"] = v["cuda_peak_allocated"]
+        out["memory"].append({"rank": r, **m})
+    out["communication"] = communication(res.ledger, steps)
+    out["simulated"] = None
+    if run.hardware:
+        per_rank = []
+        for r, v in enumerate(res.values):
+            ordered = sorted(v["sim_steps"], key=lambda b: b["time"])
+            b = ordered[len(ordered) // 2]
+            per_rank.append({"rank": r, "step_s": b["time"], "compute_s": b["compute"],
+                             "exposed_comm_s": b["exposed_comm"], "idle_s": b["idle"]})
+        slowest = max(x["step_s"] for x in per_rank)
+        out["simulated"] = {"hardware": run.hardware, "per_rank": per_rank,
+                            "tokens_per_s": run.tokens_per_step / slowest if slowest else None}
+    return out
+
+
+def check_json(rep) -> dict:
+    out = {"schema": f"playground.check/{SCHEMA_VERSION}", **_run_json(rep.run), "passed": rep.passed,
+           "tolerance": rep.tolerance, "problems": rep.problems,
+           "errors": [{"quantity": r.what, "tensor": r.name, "max_abs": r.max_abs, "max_rel": r.max_rel, "ok": r.ok}
+                      for r in rep.rows]}
+    if rep.result is not None:
+        out["loss"] = {"per_step": rep.result.losses}
+        out["communication"] = communication(rep.result.ledger, len(rep.result.losses))
+    return out
+
+
+def write_json(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1, default=float)
