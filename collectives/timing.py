@@ -39,5 +39,15 @@ class TimeModel:
         """The program of `rank` returned."""
 
     def rank_view(self, rank: int):
-        """What a rank's process groups expose as `group.timing` (None: nothing)."""
+        """What a rank's process groups expose as `group.timing` (None: nothing). Strategies
+        may call its `fused(io_bytes)`: a context manager around ops that a GPU runs as one
+        fused kernel reading and writing io_bytes (see `fused_kernel`)."""
         return None
+
+
+def fused_kernel(group, io_bytes: int):
+    """Mark the ops inside as one fused kernel for the time model of `group`'s rank (plain
+    matmuls written for clarity that a GPU fuses, as FlashAttention does); nothing without
+    a time model."""
+    timing = group.timing
+    return timing.fused(io_bytes) if timing is not None else contextlib.nullcontext()

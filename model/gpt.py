@@ -45,6 +45,25 @@ def apply_rope(x, cos, sin):
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
+def causal_attention(q, k, v):
+    """Causal scaled dot-product attention over (batch, heads, seq, head_dim). On the meta
+    device (planning, shapes only) the fused kernel is named explicitly: meta tensors would
+    otherwise take the math fallback, which keeps the seq² probabilities for backward, where
+    every real run uses a flash kernel that keeps the log-sum-exp."""
+    if q.is_meta:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class CausalAttention(nn.Module):
+    """The attention itself, on (batch, heads, seq, head_dim) q, k, v of the whole
+    sequence: a module without parameters, so that context parallelism can swap it for
+    ring attention or Ulysses."""
+
+    def forward(self, q, k, v):
+        return causal_attention(q, k, v)
+
+
 class Attention(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()
@@ -53,12 +72,14 @@ class Attention(nn.Module):
         self.wk = nn.Linear(c.d_model, c.d_model, bias=False)
         self.wv = nn.Linear(c.d_model, c.d_model, bias=False)
         self.wo = nn.Linear(c.d_model, c.d_model, bias=False)
+        self.core = CausalAttention()
 
     def forward(self, x, cos, sin):
+        """cos, sin: the rotary tables of the positions of x's tokens (the first s rows)."""
         b, s, _ = x.shape
         q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         q, k = apply_rope(q, cos[:s], sin[:s]), apply_rope(k, cos[:s], sin[:s])
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.core(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -115,6 +136,9 @@ class GPT(nn.Module):
             self.norm = RMSNorm(c.d_model, c.norm_eps)
             self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
         self.loss = CrossEntropy()
+        # the global positions of the tokens this model sees, when they are not 0..s-1
+        # (context parallelism holds a permuted slice of the sequence): RoPE follows them
+        self.positions = None
         self.to(dtype)
         cos, sin = rope_tables(c.seq_len, c.head_dim, c.rope_base, dtype, "meta")
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -133,7 +157,8 @@ class GPT(nn.Module):
         for n, p in self.named_parameters():
             if n in placements:
                 p.placement = placements[n]
-        init_weights(self, self.config, seed)
+        if str(device) != "meta":  # shapes only on meta: nothing to compute
+            init_weights(self, self.config, seed)
         dtype = next((p.dtype for p in self.parameters()), torch.float32)
         c = self.config
         self.rope_cos, self.rope_sin = rope_tables(c.seq_len, c.head_dim, c.rope_base, dtype, device)
@@ -144,8 +169,12 @@ class GPT(nn.Module):
         targets the mean cross-entropy over all tokens; without a head, hidden states."""
         if self.tok_emb is not None:
             x = self.tok_emb(x)
+        cos, sin = self.rope_cos, self.rope_sin
+        if self.positions is not None:
+            index = self.positions.to(cos.device)
+            cos, sin = cos[index], sin[index]
         for block in self.blocks.values():
-            x = block(x, self.rope_cos, self.rope_sin)
+            x = block(x, cos, sin)
         if self.lm_head is None:
             return x
         logits = self.lm_head(self.norm(x))

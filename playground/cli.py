@@ -18,6 +18,7 @@ import threading
 
 from model.config import DEFAULT_LR, PRESETS
 from pipeline.schedules import SCHEDULES
+from sequence_parallel.balance import BALANCES, IMPLEMENTATIONS
 
 from .run_config import DTYPES
 
@@ -49,12 +50,18 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--world", type=int, help="number of ranks (default: the product of the axes; under torchrun "
                                              "its process count)")
     for axis, what in (("dp", "data-parallel"), ("tp", "tensor-parallel (Megatron)"), ("pp", "pipeline-parallel"),
-                       ("cp", "context-parallel (not built yet)"), ("ep", "expert-parallel (not built yet)")):
+                       ("cp", "context-parallel"), ("ep", "expert-parallel (not built yet)")):
         g.add_argument(f"--{axis}", type=int, help=f"{what} degree (default: " +
                        ("what --world leaves over the other axes, else 1)" if axis == "dp" else "1)"))
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                    help="ZeRO stage over dp: 1 optimizer states, 2 and gradients, 3 and parameters; 0 is DDP")
     g.add_argument("--sp", action="store_true", help="sequence parallelism with --tp (Korthikanti et al.)")
+    g.add_argument("--cp-impl", default="ring", choices=IMPLEMENTATIONS,
+                   help="context parallelism: ring attention (K/V around the ring) or Ulysses (all-to-all to heads)")
+    g.add_argument("--cp-balance", default="zigzag", choices=BALANCES,
+                   help="which sequence chunks a cp rank holds: zigzag (rank r: chunks r and 2cp-1-r, equal causal "
+                        "work) or contiguous (rank r: chunk r)")
+    g.add_argument("--seq-len", type=int, help="sequence length (default: the preset's)")
     g.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule with --pp")
     g.add_argument("--microbatches", type=int, default=1,
                    help="microbatches per step per DP rank (gradient accumulation, or the pipeline's m)")
@@ -164,8 +171,10 @@ def run_config(args, default_steps: int):
         world=world, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
         schedule=args.schedule, microbatches=args.microbatches, virtual_stages=args.virtual_stages,
         sequence_parallel=args.sp, micro_batch_size=args.micro_batch_size,
-        stage_layers=_stage_layers(args.stage_layers))
-    cfg = preset(args.model)
+        stage_layers=_stage_layers(args.stage_layers), cp_impl=args.cp_impl, cp_balance=args.cp_balance)
+    if args.seq_len is not None and args.seq_len < 2:
+        raise ValueError(f"--seq-len {args.seq_len}: must be at least 2")
+    cfg = preset(args.model, **({"seq_len": args.seq_len} if args.seq_len else {}))
     layout.validate(cfg)
     if args.hardware:
         from simulator import load_hardware

@@ -102,7 +102,8 @@ def check(run: RunConfig) -> CheckReport:
     rows, problems = [], []
     init = initial_weights(run)
     for step, (a, b) in enumerate(zip(res.losses, ref["losses"])):
-        rows.append(_compare("loss", f"step {step}", torch.tensor(a), torch.tensor(b), tol["loss"]))
+        rows.append(_compare("loss", f"step {step}", torch.tensor(a, dtype=torch.float64),
+                            torch.tensor(b, dtype=torch.float64), tol["loss"]))
     for what, key in (("grad", "grads"), ("weight", "weights")):
         full, probs = assemble([v[key] for v in res.values])
         problems += [f"{what}s: {p}" for p in probs]

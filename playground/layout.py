@@ -13,10 +13,10 @@ import math
 from dataclasses import asdict, dataclass
 
 from pipeline import SCHEDULES, ScheduleError, build_schedule
+from sequence_parallel.balance import BALANCES, IMPLEMENTATIONS, n_chunks
 
 # strategy flags that parse and validate but whose implementation lands later
 NOT_BUILT = {
-    "cp": "context parallelism (ring attention / Ulysses)",
     "ep": "expert parallelism (mixture of experts)",
 }
 
@@ -43,6 +43,8 @@ class Layout:
     sequence_parallel: bool = False
     micro_batch_size: int = 1
     stage_layers: tuple | None = None  # blocks per pipeline stage (pp·virtual_stages of them); None: even
+    cp_impl: str = "ring"  # context parallelism: "ring" attention or "ulysses" all-to-all
+    cp_balance: str = "zigzag"  # which sequence chunks a cp rank holds: "zigzag" or "contiguous"
 
     @property
     def world(self) -> int:
@@ -64,6 +66,8 @@ class Layout:
         extra = [f"zero={self.zero}"] if self.zero else []
         if self.sequence_parallel:
             extra.append("sequence parallel")
+        if self.cp > 1:
+            extra.append(f"{self.cp_impl} attention" + (f", {self.cp_balance}" if self.cp_impl == "ring" else ""))
         if self.pp > 1:
             extra.append(f"schedule {self.schedule}" + (f" with {self.virtual_stages} chunks per rank"
                                                         if self.virtual_stages > 1 else ""))
@@ -106,9 +110,24 @@ class Layout:
         elif c.n_layers % stages:
             raise LayoutError(f"n_layers={c.n_layers} is not divisible by pp·virtual_stages = {self.pp}·"
                               f"{self.virtual_stages} = {stages}; stage counts that fit: {_divisors(c.n_layers)}")
-        if self.cp > 1 and c.seq_len % (2 * self.cp):
-            raise LayoutError(f"seq_len={c.seq_len} is not divisible by 2·cp = {2 * self.cp} (zig-zag halves); "
-                              f"cp could be one of {[d for d in _divisors(c.seq_len // 2)]}")
+        if self.cp_impl not in IMPLEMENTATIONS:
+            raise LayoutError(f"cp_impl={self.cp_impl!r}: choose one of {IMPLEMENTATIONS}")
+        if self.cp_balance not in BALANCES:
+            raise LayoutError(f"cp_balance={self.cp_balance!r}: choose one of {BALANCES}")
+        if self.cp > 1:
+            n = n_chunks(self.cp, self.cp_balance)
+            if c.seq_len % n:
+                what = "2·cp" if self.cp_balance == "zigzag" else "cp"
+                fits = [d for d in _divisors(c.seq_len) if c.seq_len % n_chunks(d, self.cp_balance) == 0]
+                raise LayoutError(f"seq_len={c.seq_len} is not divisible by {what} = {n} ({self.cp_balance} cuts the "
+                                  f"sequence into {n} chunks); cp could be one of {fits}, or seq_len a multiple of {n}")
+            if self.cp_impl == "ulysses" and c.n_heads % (self.cp * self.tp):
+                raise LayoutError(f"Ulysses splits the heads over cp: n_heads={c.n_heads} is not divisible by "
+                                  f"cp·tp = {self.cp}·{self.tp} = {self.cp * self.tp}; cp could be one of "
+                                  f"{_divisors(c.n_heads // self.tp)}")
+            if self.sequence_parallel and (c.seq_len // self.cp) % self.tp:
+                raise LayoutError(f"sequence parallelism splits each cp rank's seq_len/cp = {c.seq_len // self.cp} "
+                                  f"tokens over tp={self.tp}: not divisible")
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
             raise LayoutError(f"ep={self.ep} must divide dp·cp = {self.dp * self.cp}")
         if self.zero not in (0, 1, 2, 3):
@@ -137,5 +156,5 @@ class Layout:
         for name, what in NOT_BUILT.items():
             value = getattr(self, name)
             if value not in (1, 0, False):
-                raise LayoutError(f"{name}={value}: {what} is not built yet; this version trains with dp only")
+                raise LayoutError(f"{name}={value}: {what} is not built yet")
         return self

@@ -8,10 +8,13 @@ docs/architecture.md, "Composition"):
    transform attaches), and it commutes with the module swaps that follow;
 2. tensor (and sequence) parallelism (tensor_parallel.parallelize_tensor): module swaps
    by a name plan;
-3. context parallelism, 4. expert parallelism, 5. activation checkpointing, 6. compile:
-   their transforms plug in here (the layout refuses them until they exist);
+3. context parallelism (sequence_parallel.parallelize_context): every block's attention
+   core swapped for ring attention or Ulysses, the model told its tokens' positions;
+4. expert parallelism, 5. activation checkpointing, 6. compile: their transforms plug in
+   here (the layout refuses them until they exist);
 then every part is materialized on the device (each local tensor from its placement);
-7. data parallelism on each part: DDP, or ZeRO with the part's blocks as units.
+7. data parallelism on each part over dp × cp (parameters are replicated across cp, as in
+   Megatron and torchtitan): DDP, or ZeRO with the part's blocks as units.
 
 The training loop talks to the result through `ParallelModel` only: `run_step` (the
 microbatches of one step, forward and backward, by gradient accumulation or by the
@@ -29,6 +32,7 @@ import torch
 from ddp import DistributedDataParallel
 from model import placement_of
 from pipeline import PipelineExecutor, build_schedule, split_stages
+from sequence_parallel import parallelize_context, shard_sequence
 from tensor_parallel import parallelize_tensor
 from zero import ZeroDataParallel
 
@@ -43,13 +47,13 @@ class GradientAccumulation:
     def __init__(self, model, sync, autocast):
         self.model, self.sync, self.autocast = model, sync, autocast
 
-    def run(self, micro, track) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float64, device=micro[0].device)
-        for i, mb in enumerate(micro):
-            last = i == len(micro) - 1
+    def run(self, inputs, targets, track) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=inputs[0].device)
+        for i, (x, y) in enumerate(zip(inputs, targets)):
+            last = i == len(inputs) - 1
             with contextlib.nullcontext() if last else self.sync.no_sync(), track():  # forward and backward
                 with self.autocast:
-                    loss = self.model(mb[:, :-1], mb[:, 1:]) / len(micro)
+                    loss = self.model(x, y) / len(inputs)
                 self.sync.scale_loss(loss).backward()
             total += loss.detach().double()
             del loss  # the graph, and the activations it saved, go now
@@ -63,9 +67,9 @@ class PipelineRunner:
     def __init__(self, executor: PipelineExecutor, pp_group, autocast):
         self.executor, self.pp, self.autocast = executor, pp_group, autocast
 
-    def run(self, micro, track) -> torch.Tensor:
+    def run(self, inputs, targets, track) -> torch.Tensor:
         with track(), self.autocast:
-            total = self.executor.run([mb[:, :-1] for mb in micro], [mb[:, 1:] for mb in micro])
+            total = self.executor.run(inputs, targets)
         self.pp.broadcast(total, src=self.pp.size - 1, label="metrics.loss_pp")
         return total
 
@@ -126,8 +130,9 @@ class ParallelModel:
     wrappers, how a step runs, and the optimizer."""
     parts: list  # the model chunks this rank holds (one, or one per virtual pipeline stage)
     syncs: list  # per part: its data-parallel wrapper (no_sync, scale_loss)
-    runner: object  # GradientAccumulation or PipelineRunner: run(micro, track) -> loss
+    runner: object  # GradientAccumulation or PipelineRunner: run(inputs, targets, track) -> loss
     optimizer: object  # ReplicatedAdamW or ShardedOptimizer: step, pieces, state_tensors
+    positions: torch.Tensor | None = None  # context parallelism: the sequence positions this rank holds
 
     @property
     def params(self) -> list:
@@ -135,9 +140,15 @@ class ParallelModel:
         return [p for m in self.parts for p in m.parameters()]
 
     def run_step(self, micro, track) -> torch.Tensor:
-        """Forward and backward of the step's microbatches (token rows, targets shifted by
-        one); returns this rank's share of the mean loss (0 off the last pipeline stage)."""
-        return self.runner.run(micro, track)
+        """Forward and backward of the step's microbatches (rows of seq_len + 1 tokens: the
+        inputs and the targets shifted by one; under context parallelism this rank's
+        positions of both); returns this rank's share of the mean loss (0 off the last
+        pipeline stage)."""
+        inputs, targets = [mb[:, :-1] for mb in micro], [mb[:, 1:] for mb in micro]
+        if self.positions is not None:
+            inputs = [shard_sequence(x, self.positions) for x in inputs]
+            targets = [shard_sequence(y, self.positions) for y in targets]
+        return self.runner.run(inputs, targets, track)
 
     def step(self) -> None:
         self.optimizer.step()
@@ -155,12 +166,18 @@ def _uses_zero(run) -> bool:
     return bool(run.layout.zero) or run.dtype == "float16"
 
 
+def data_parallel_group(mesh, layout):
+    """The group gradients are averaged over: dp × cp (context-parallel ranks hold the same
+    parameters and see different tokens of the same sequences)."""
+    return mesh.group("dp", "cp") if layout.cp > 1 else mesh.group("dp")
+
+
 def parallelize(model, mesh, run, device, memory=None, unit_costs=None) -> ParallelModel:
     """Apply `run.layout` to `model` (the reference GPT on the meta device) on this rank of
     `mesh`; `memory` (a MemoryTracker) is told of communication buffers; `unit_costs`
     charges fixed pipeline stage costs on the simulated clock (bubble measurements)."""
     layout, cfg = run.layout, run.model
-    dp, tp = mesh.group("dp"), mesh.group("tp")
+    dp, tp = data_parallel_group(mesh, layout), mesh.group("tp")
     # 1. the pipeline split
     if layout.pp > 1:
         chunks = split_stages(model, layout.pp, mesh.group("pp").rank, layout.virtual_stages, layout.stage_layers)
@@ -171,7 +188,11 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None) -> Paral
     if layout.tp > 1:
         for part in parts:
             parallelize_tensor(part, tp, layout.sequence_parallel)
-    # (3-6: context and expert parallelism, activation checkpointing, compile plug in here)
+    # 3. context parallelism
+    if layout.cp > 1:
+        for part in parts:
+            parallelize_context(part, mesh.group("cp"), layout.cp_impl, layout.cp_balance)
+    # (4-6: expert parallelism, activation checkpointing, compile plug in here)
     for part in parts:
         part.materialize(device, run.seed)
     # 7. data parallelism on each part
@@ -196,6 +217,7 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None) -> Paral
     if layout.pp > 1:
         pp = mesh.group("pp")
         split = layout.tp if layout.sequence_parallel else 1  # SP: stages pass the rank's slice of the sequence
+        # (tokens are already this cp rank's share of the sequence)
 
         def hidden_shape(tokens):
             return tokens.shape[0], tokens.shape[1] // split, cfg.d_model
@@ -206,4 +228,4 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None) -> Paral
         runner = PipelineRunner(executor, pp, autocast)
     else:
         runner = GradientAccumulation(parts[0], syncs[0], autocast)
-    return ParallelModel(parts, syncs, runner, optimizer)
+    return ParallelModel(parts, syncs, runner, optimizer, parts[0].positions)

@@ -109,17 +109,22 @@ def schedule_table(layout) -> str:
 
 def simulated_time(res) -> str:
     """Median simulated step per rank on the hardware profile, split into compute, exposed
-    communication and idle (waiting for peers); rank 0 and the slowest rank."""
+    communication and idle (waiting for peers): every rank up to 8, else rank 0, the
+    slowest and the one that computes most."""
     def median_step(steps):
         ordered = sorted(steps, key=lambda b: b["time"])
         return ordered[len(ordered) // 2]
     per_rank = [median_step(v["sim_steps"]) for v in res.values]
-    slowest = max(range(len(per_rank)), key=lambda r: per_rank[r]["time"])
+    n = len(per_rank)
+    slowest = max(range(n), key=lambda r: per_rank[r]["time"])
+    busiest = max(range(n), key=lambda r: per_rank[r]["compute"])
+    shown = range(n) if n <= 8 else sorted({0, slowest, busiest})
     rows = []
-    for r in sorted({0, slowest}):
+    for r in shown:
         b = per_rank[r]
-        rows.append([f"rank {r}" + (" (slowest)" if r == slowest and len(per_rank) > 1 else ""), f"{b['time'] * 1e3:.3f} ms", f"{b['compute'] * 1e3:.3f} ms",
-                     f"{b['exposed_comm'] * 1e3:.3f} ms", f"{b['idle'] * 1e3:.3f} ms"])
+        tags = [t for t, k in (("slowest", slowest), ("most compute", busiest)) if k == r and n > 1]
+        rows.append([f"rank {r}" + (f" ({', '.join(tags)})" if tags else ""), f"{b['time'] * 1e3:.3f} ms",
+                     f"{b['compute'] * 1e3:.3f} ms", f"{b['exposed_comm'] * 1e3:.3f} ms", f"{b['idle'] * 1e3:.3f} ms"])
     tokens = res.run.tokens_per_step / per_rank[slowest]["time"]
     return (f"\nsimulated on {res.run.hardware} (median step; roofline per op, alpha-beta per collective): "
             f"{tokens:,.0f} tokens/s\n" + table(["", "step", "compute", "exposed comm", "idle"], rows, left=1))

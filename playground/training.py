@@ -23,7 +23,7 @@ from model.data import make_source
 
 from model import GPT
 
-from .parallelize import parallelize
+from .parallelize import data_parallel_group, parallelize
 from .run_config import RunConfig
 
 
@@ -65,6 +65,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
     layout, cfg = run.layout, run.model
     mesh = Mesh(world, **layout.mesh_axes())
     dp = mesh.group("dp")
+    replicas = data_parallel_group(mesh, layout)  # dp × cp: the loss is averaged over it
     device = _device(run)
     # model states and communication buffers are always accounted (cheap); activations,
     # which hook every tensor autograd saves, only with simulated time (--hardware)
@@ -93,7 +94,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
             if collect and step == 0:
                 out["grads"] = model.pieces("grad")
             model.step()
-            dp.all_reduce(total, op=ReduceOp.AVG, label="metrics.loss")
+            replicas.all_reduce(total, op=ReduceOp.AVG, label="metrics.loss")
             out["memory"] = memory.snapshot(states=MemoryTracker.measure(model.state_tensors()))
             if clock:
                 sim1 = clock.breakdown()

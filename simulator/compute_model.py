@@ -44,6 +44,30 @@ def _nbytes(values) -> int:
 _FREE = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided,
          torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided}
 
+# FLOP formulas torch's counter lacks: the CPU flash attention that scaled_dot_product_attention
+# dispatches to on CPU takes the same (q, k, v, ...) and (grad, q, k, v, out, lse, ...) arguments
+# as the CUDA flash kernels, and does the same work
+_ALIASES = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: torch.ops.aten._scaled_dot_product_flash_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        torch.ops.aten._scaled_dot_product_flash_attention_backward,
+}
+# where those flash kernels take is_causal: a causal kernel skips the tiles above the
+# diagonal (Dao 2023, FlashAttention-2, section 3.1.1), so it does (s + 1) / (2s) of the
+# full s² work the formula counts
+_CAUSAL_ARG = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: 4,
+               torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: 7}
+
+
+def _causal_aware(formula, index: int):
+    def flops(*args, **kwargs):
+        full = formula(*args, **kwargs)
+        if len(args) > index and args[index] is True:
+            s = args[0][-2] if index == 4 else args[1][-2]  # the query's sequence length
+            return full * (s + 1) // (2 * s)
+        return full
+    return flops
+
 
 class ComputeModel(TorchDispatchMode):
     def __init__(self, hw: Hardware, clock: RankClock):
@@ -54,12 +78,16 @@ class ComputeModel(TorchDispatchMode):
         self.flops = 0
         self.bytes = 0
         self._formula: dict = {}  # op -> its FLOP formula, None (bytes only) or False (free)
+        self._fused = None  # [flops] while inside a fused region
 
     def _classify(self, func):
         packet = func._overloadpacket
         if func.is_view or packet in _FREE:
             return False
-        return flop_registry.get(packet)
+        formula = flop_registry.get(_ALIASES.get(packet, packet))
+        if formula is not None and packet in _CAUSAL_ARG:
+            formula = _causal_aware(formula, _CAUSAL_ARG[packet])
+        return formula
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -74,9 +102,29 @@ class ComputeModel(TorchDispatchMode):
         if formula is not None:
             flops = formula(*tree_map(_shape, args), **tree_map(_shape, kwargs), out_val=tree_map(_shape, out))
         self.flops += flops
+        if self._fused is not None:  # one kernel: charged when the region ends
+            self._fused[0] += flops
+            return out
         self.bytes += nbytes
         self.clock.advance(max(flops / self.flop_rate, nbytes / self.byte_rate))
         return out
+
+    @contextlib.contextmanager
+    def fused(self, io_bytes: int):
+        """The ops inside run as one fused kernel (FlashAttention's tiles stay on chip): their
+        FLOPs are counted as usual, their intermediate tensors move no HBM bytes; the
+        region costs max(FLOPs / rate, io_bytes / bandwidth), io_bytes being what the kernel
+        reads and writes in HBM."""
+        if self._fused is not None or _get_current_dispatch_mode() is not self:
+            yield self  # nested (part of the outer kernel), or not counting (a replayed step)
+            return
+        self._fused = [0]
+        try:
+            yield self
+        finally:
+            flops, self._fused = self._fused[0], None
+            self.bytes += io_bytes
+            self.clock.advance(max(flops / self.flop_rate, io_bytes / self.byte_rate))
 
     @contextlib.contextmanager
     def step(self, mode=None):

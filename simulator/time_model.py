@@ -24,6 +24,10 @@ class RankTiming:
     clock: RankClock
     compute_model: ComputeModel
 
+    def fused(self, io_bytes: int):
+        """Charge the ops inside as one fused kernel (ComputeModel.fused)."""
+        return self.compute_model.fused(io_bytes)
+
 
 class SimulatedTime(TimeModel):
     def __init__(self, hardware: Hardware | str):
