@@ -64,6 +64,25 @@ def merge(out, lse, block_out, block_lse):
     return out * torch.exp(lse - new).unsqueeze(-1) + block_out * torch.exp(block_lse - new).unsqueeze(-1), new
 
 
+def flash_kernels(t) -> bool:
+    """Whether the blocks run on the CUDA flash-attention kernel (bf16/fp16 on CUDA): it returns
+    the log-sum-exp the merge needs, and its backward takes the merged output and log-sum-exp,
+    as ring backward requires (ring-flash-attention does the same). Elsewhere: plain matmuls."""
+    return t.is_cuda and t.dtype in (torch.float16, torch.bfloat16)
+
+
+def _flash_block(q, k, v, causal: bool, scale: float):
+    """(output, log-sum-exp, the kernel's auxiliary outputs for its backward)."""
+    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return r[0], r[1], tuple(r[2:8])
+
+
+def _flash_block_backward(dout, q, k, v, out, lse, aux, causal: bool, scale: float):
+    cum_q, cum_k, max_q, max_k, seed, offset = aux
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)[:3]
+
+
 def _io(*tensors) -> int:
     """Bytes a fused kernel reads and writes: its inputs and outputs, once each."""
     return sum(t.numel() * t.element_size() for t in tensors)
@@ -96,7 +115,8 @@ def _exact(t):
 def ring_forward(q, k, v, group, balance: str):
     """The forward pass: (output in float32 or wider, log-sum-exp) of this rank's q."""
     with _exact(q):
-        return _ring_forward(q, k, v, group, balance)
+        out, lse, _ = _ring_forward(q, k, v, group, balance)
+        return out, lse
 
 
 def _ring_forward(q, k, v, group, balance: str):
@@ -107,24 +127,32 @@ def _ring_forward(q, k, v, group, balance: str):
     qs = [x.to(acc) for x in q.split(c, dim=2)]
     out = [torch.zeros_like(x) for x in qs]
     lse = [torch.full(x.shape[:-1], float("-inf"), dtype=acc, device=x.device) for x in qs]
+    flash = flash_kernels(q)
+    aux = None
+    qn = q.split(c, dim=2)  # the query chunks in their own dtype, for the flash kernel
     kv = torch.stack([k, v]).contiguous()
     for step in range(n):
         works, nxt = _exchange(group, kv, "cp.ring.kv") if step < n - 1 else ([], None)
         ks, vs = kv[0].split(c, dim=2), kv[1].split(c, dim=2)
         for qi, ki, causal in _pairs(r, (r - step) % n, n, balance):
             with fused_kernel(group, _io(qs[qi], ks[ki], vs[ki], out[qi], lse[qi])):  # one FlashAttention call
-                o, lse_b = block_attention(qs[qi], ks[ki].to(acc), vs[ki].to(acc), causal, scale)
+                if flash:
+                    o, lse_b, aux = _flash_block(qn[qi], ks[ki], vs[ki], causal, scale)
+                    o = o.to(acc)
+                else:
+                    o, lse_b = block_attention(qs[qi], ks[ki].to(acc), vs[ki].to(acc), causal, scale)
                 out[qi], lse[qi] = merge(out[qi], lse[qi], o, lse_b)
         for w in works:
             w.wait()
         kv = nxt
-    return torch.cat(out, dim=2), torch.cat(lse, dim=2)
+    return torch.cat(out, dim=2), torch.cat(lse, dim=2), aux
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, balance):
-        out, lse = ring_forward(q, k, v, group, balance)
+        with _exact(q):
+            out, lse, ctx.flash_aux = _ring_forward(q, k, v, group, balance)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.balance = group, balance
@@ -143,6 +171,8 @@ class _RingAttention(torch.autograd.Function):
         n, r = group.size, group.rank
         acc = torch.promote_types(q.dtype, torch.float32)
         scale = 1.0 / math.sqrt(q.shape[-1])
+        flash = flash_kernels(q) and ctx.flash_aux is not None
+        dons, qn, outs = dout.contiguous().split(c, dim=2), q.split(c, dim=2), out.split(c, dim=2)
         dout = dout.to(acc)
         delta = (dout * out.to(acc)).sum(dim=-1)
         qs, dos = [x.to(acc) for x in q.split(c, dim=2)], dout.split(c, dim=2)
@@ -155,6 +185,13 @@ class _RingAttention(torch.autograd.Function):
             ks, vs = kv[0].split(c, dim=2), kv[1].split(c, dim=2)
             dks, dvs = dkv[0].split(c, dim=2), dkv[1].split(c, dim=2)
             for qi, ki, causal in _pairs(r, (r - step) % n, n, balance):
+                if flash:
+                    dqb, dkb, dvb = _flash_block_backward(dons[qi], qn[qi], ks[ki], vs[ki], outs[qi], lses[qi],
+                                                          ctx.flash_aux, causal, scale)
+                    dq[qi].add_(dqb)
+                    dks[ki].add_(dkb)
+                    dvs[ki].add_(dvb)
+                    continue
                 with fused_kernel(group, _io(qs[qi], ks[ki], vs[ki], dos[qi], lses[qi], dq[qi], dks[ki], dvs[ki])):
                     kb, vb = ks[ki].to(acc), vs[ki].to(acc)
                     p = torch.exp(_scores(qs[qi], kb, causal, scale) - lses[qi].unsqueeze(-1))
