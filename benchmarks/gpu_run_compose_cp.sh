@@ -3,17 +3,19 @@
 # equivalence checks on NCCL (context parallelism ring and Ulysses in float32, ring in bf16
 # on the flash-attention kernels, cp × ZeRO-3, and the earlier layouts again after the
 # composition refactor), then the 1b preset in bf16 at long sequences on one GPU (cp 1)
-# and on two (cp 2), tokens/s and CUDA peak memory. Logs and JSON under $OUT.
+# and on two (cp 2), tokens/s and CUDA peak memory. Logs and JSON in $LOGS, packed after
+# every run into $OUT/gpu_logs.tgz (the device tool brings back few files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/gpu_run}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/gpu_run}; LOGS=${LOGS:-/tmp/gpu_logs}; mkdir -p "$OUT" "$LOGS"
 run() {  # name, nproc, timeout, playground args...
   local name=$1 n=$2 t=$3; shift 3
   timeout "$t" torchrun --nproc_per_node "$n" -m playground "$@" --backend torch --no-progress 2>&1 | grep -v "^W1" \
-    > "$OUT/$name.log"
-  echo "== $name (exit ${PIPESTATUS[0]}): $(grep -E 'PASS|FAIL|throughput|Error|error' "$OUT/$name.log" | head -2)"
+    > "$LOGS/$name.log"
+  echo "== $name (exit ${PIPESTATUS[0]}): $(grep -E 'PASS|FAIL|throughput|measured peak|Error|error' "$LOGS/$name.log" | head -3 | tr '\n' ' ')"
+  tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .
 }
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpus.txt"; python3 -c 'import torch; print(torch.__version__)' >> "$OUT/gpus.txt"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$LOGS/gpus.txt"; python3 -c 'import torch; print(torch.__version__)' >> "$LOGS/gpus.txt"
 S="--model small --microbatches 2 --micro-batch-size 2"
 run check_cp2_ring          2 150 check $S --cp 2 --dtype float32
 run check_cp2_ring_contig   2 150 check $S --cp 2 --cp-balance contiguous --dtype float32
@@ -24,5 +26,5 @@ run check_dp2_zero3_again   2 150 check $S --dp 2 --zero 3 --dtype float32
 run check_tp2_sp_zero1      2 150 check $S --tp 2 --sp --dtype float32
 run check_pp2_zero1_zb1     2 150 check $S --pp 2 --microbatches 4 --schedule zb1 --dtype float32
 L="--model 1b --dtype bfloat16 --micro-batch-size 1 --steps ${STEPS:-4}"
-for seq in ${SEQS1:-32768 65536}; do run train_1b_cp1_s$seq 1 280 train $L --seq-len $seq --json "$OUT/train_1b_cp1_s$seq.json"; done
-for seq in ${SEQS2:-65536 131072}; do run train_1b_cp2_s$seq 2 280 train $L --cp 2 --seq-len $seq --json "$OUT/train_1b_cp2_s$seq.json"; done
+for seq in ${SEQS1:-32768 65536}; do run train_1b_cp1_s$seq 1 280 train $L --seq-len $seq --json "$LOGS/train_1b_cp1_s$seq.json"; done
+for seq in ${SEQS2:-65536 131072}; do run train_1b_cp2_s$seq 2 280 train $L --cp 2 --seq-len $seq --json "$LOGS/train_1b_cp2_s$seq.json"; done
