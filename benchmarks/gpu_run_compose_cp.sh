@@ -6,6 +6,9 @@
 # and on two (cp 2), tokens/s and CUDA peak memory. Logs and JSON in $LOGS, packed after
 # every run into $OUT/gpu_logs.tgz (the device tool brings back few files).
 set -uo pipefail
+# (first run, 2026-11-30: the bf16 ring check failed with non-contiguous chunks passed to
+# the flash kernels, and float32 checks failed on weights by 2-13% of the tolerance with
+# gradient errors under 1.2e-6: AdamW's amplification of float32 rounding; logs kept)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/gpu_run}; LOGS=${LOGS:-/tmp/gpu_logs}; mkdir -p "$OUT" "$LOGS"
 run() {  # name, nproc, timeout, playground args...
@@ -17,14 +20,16 @@ run() {  # name, nproc, timeout, playground args...
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$LOGS/gpus.txt"; python3 -c 'import torch; print(torch.__version__)' >> "$LOGS/gpus.txt"
 S="--model small --microbatches 2 --micro-batch-size 2"
-run check_cp2_ring          2 150 check $S --cp 2 --dtype float32
-run check_cp2_ring_contig   2 150 check $S --cp 2 --cp-balance contiguous --dtype float32
-run check_cp2_ulysses       2 150 check $S --cp 2 --cp-impl ulysses --dtype float32
-run check_cp2_ring_bf16     2 150 check $S --cp 2 --dtype bfloat16 --seq-len 1024
-run check_cp2_zero3         2 150 check $S --cp 2 --zero 3 --dtype float32
-run check_dp2_zero3_again   2 150 check $S --dp 2 --zero 3 --dtype float32
-run check_tp2_sp_zero1      2 150 check $S --tp 2 --sp --dtype float32
-run check_pp2_zero1_zb1     2 150 check $S --pp 2 --microbatches 4 --schedule zb1 --dtype float32
+# float64 on the GPUs: the check's 1e-10 tolerance, no float32-AdamW noise in the verdict
+for d in ${CHECK_DTYPES:-float64}; do
+  run check_cp2_ring_$d        2 150 check $S --cp 2 --dtype $d
+  run check_cp2_ring_contig_$d 2 150 check $S --cp 2 --cp-balance contiguous --dtype $d
+  run check_cp2_ulysses_$d     2 150 check $S --cp 2 --cp-impl ulysses --dtype $d
+  run check_cp2_zero3_$d       2 150 check $S --cp 2 --zero 3 --dtype $d
+  run check_tp2_sp_$d          2 150 check $S --tp 2 --sp --dtype $d
+  run check_pp2_zero1_zb1_$d   2 150 check $S --pp 2 --microbatches 4 --schedule zb1 --zero 1 --dtype $d
+done
+run check_cp2_ring_bf16        2 150 check $S --cp 2 --dtype bfloat16 --seq-len 1024  # the flash-attention blocks
 L="--model 1b --dtype bfloat16 --micro-batch-size 1 --steps ${STEPS:-4}"
-for seq in ${SEQS1:-32768 65536}; do run train_1b_cp1_s$seq 1 280 train $L --seq-len $seq --json "$LOGS/train_1b_cp1_s$seq.json"; done
-for seq in ${SEQS2:-65536 131072}; do run train_1b_cp2_s$seq 2 280 train $L --cp 2 --seq-len $seq --json "$LOGS/train_1b_cp2_s$seq.json"; done
+for seq in ${SEQS1:-32768 49152}; do run train_1b_cp1_s$seq 1 280 train $L --seq-len $seq --json "$LOGS/train_1b_cp1_s$seq.json"; done
+for seq in ${SEQS2:-65536 98304}; do run train_1b_cp2_s$seq 2 280 train $L --cp 2 --seq-len $seq --json "$LOGS/train_1b_cp2_s$seq.json"; done

@@ -72,13 +72,16 @@ def flash_kernels(t) -> bool:
 
 
 def _flash_block(q, k, v, causal: bool, scale: float):
-    """(output, log-sum-exp, the kernel's auxiliary outputs for its backward)."""
+    """(output, log-sum-exp, the kernel's auxiliary outputs for its backward). Chunks are
+    views; the kernels want dense tensors (the log-sum-exp is read without strides)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
     return r[0], r[1], tuple(r[2:8])
 
 
 def _flash_block_backward(dout, q, k, v, out, lse, aux, causal: bool, scale: float):
     cum_q, cum_k, max_q, max_k, seed, offset = aux
+    dout, q, k, v, out, lse = (t.contiguous() for t in (dout, q, k, v, out, lse))
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
         dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)[:3]
 
