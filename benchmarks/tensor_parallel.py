@@ -1,17 +1,19 @@
 """Benchmark: Megatron tensor parallelism with and without sequence parallelism on 350m
-shapes. On the 350m preset's shapes (d_model 1024, 16 heads, seq 1024, vocab 50304, 24 layers) in bf16, on meta tensors (shapes only: every collective is counted and timed,
-every op's FLOPs and bytes are timed, every saved tensor is measured; nothing is
-computed). One microbatch of one sequence, forward and backward, for tp = 1, 2, 4, 8.
+shapes (d_model 1024, 16 heads, seq 1024, vocab 50304, 24 layers) in bf16, on meta
+tensors (shapes only: every collective is counted and timed, every op's FLOPs and bytes
+are timed, every saved tensor is measured; nothing is computed). One microbatch of one
+sequence, forward and backward, for tp = 1, 2, 4, 8.
 
 Per rank: bytes sent by tensor parallelism per step (from the ledger), the simulated
 forward+backward on h100-sxm, the peak activation memory of the whole model, and the
 activations of one block (the difference between 4 and 2 layers) beside Korthikanti et
-al. 2022's per-layer formulas (bytes, 16-bit activations): no parallelism sbh(34 +
-5as/h); TP sbh(10 + 24/t + 5as/(ht)); TP + SP sbh(34/t + 5as/(ht)).
+al. 2022's per-layer formulas (bytes, 16-bit activations) without their attention-score
+term, as a flash kernel (and their selective recomputation) keeps no scores: no
+parallelism 34·sbh; TP sbh(10 + 24/t); TP + SP 34·sbh/t.
 
-The formulas describe GPT-3's block (LayerNorm, GELU MLP of 4h, dropout masks, attention
-scores kept); this block has RMSNorm (normalised in fp32), a SwiGLU MLP of d_ff = 2816,
-no dropout, and keeps the all-gathered input of its column-parallel layers under SP
+The formulas describe GPT-3's block (LayerNorm, GELU MLP of 4h, dropout masks); this block
+has RMSNorm (normalised in fp32), a SwiGLU MLP of d_ff = 2816, rotary embeddings, no
+dropout, and keeps the all-gathered input of its column-parallel layers under SP
 (Megatron keeps the shard and gathers again in backward, trading 4sbh(1 - 1/t) bytes per
 layer for one more all-gather): the table shows where they part. Prints a table and
 writes JSON.
@@ -47,9 +49,12 @@ def rank_program(world, sp, n_layers, batch):
 
 
 def korthikanti(s, b, h, a, t, sp):
+    """Bytes per layer, without the 5as/h (or 5as/(ht)) of the attention scores, softmax
+    and dropout mask: a flash kernel keeps none of them (Korthikanti et al.'s selective
+    recomputation of attention gives the same count)."""
     if t == 1:
-        return s * b * h * (34 + 5 * a * s / h)
-    return s * b * h * ((34 / t if sp else 10 + 24 / t) + 5 * a * s / (h * t))
+        return s * b * h * 34
+    return s * b * h * (34 / t if sp else 10 + 24 / t)
 
 
 def main():
