@@ -80,6 +80,12 @@ LAYOUTS = {
     "cp2-tp2-sp": dict(cp=2, tp=2, sp=True),
     "ulysses-cp2-tp2": dict(cp=2, tp=2, cp_impl="ulysses"),
     "pp2-cp2-1f1b": dict(pp=2, cp=2, microbatches=4),
+    "pp2-cp2-gpipe": dict(pp=2, cp=2, microbatches=3, schedule="gpipe"),
+    "pp2-cp2-zb1": dict(pp=2, cp=2, microbatches=4, schedule="zb1"),
+    "pp2-cp2-interleaved": dict(pp=2, cp=2, microbatches=4, schedule="interleaved", virtual_stages=2,
+                                model=preset("tiny", vocab_size=61, n_layers=4)),
+    "cp2-zero1": dict(cp=2, zero=1),
+    "cp2-dp2-zero2-ulysses": dict(cp=2, dp=2, zero=2, cp_impl="ulysses"),
     "cp2-zero3": dict(cp=2, dp=2, zero=3),
     "dp2-cp2-tp2-pp2": dict(dp=2, cp=2, tp=2, pp=2, microbatches=4),
 }
