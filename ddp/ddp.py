@@ -60,15 +60,19 @@ class Bucket:
 
 
 class DistributedDataParallel(nn.Module):
-    def __init__(self, module: nn.Module, group, bucket_cap_mb: float = 25.0, label: str = "ddp"):
+    def __init__(self, module: nn.Module, group, bucket_cap_mb: float = 25.0, label: str = "ddp", params=None,
+                 grad_scale: float = 1.0):
+        """`params`: the parameters this wrapper synchronises (default: all of `module`'s);
+        `grad_scale`: multiplies the averaged gradients (expert parallelism's divisor)."""
         super().__init__()
         self.module = module
         self.group = group
         self.label = label
+        self.grad_scale = grad_scale
+        params = [p for p in (module.parameters() if params is None else params) if p.requires_grad]
         with torch.no_grad():
-            for name, p in module.named_parameters():
+            for p in params:
                 group.broadcast(p.data, src=0, label=f"{label}.broadcast")
-        params = [p for p in module.parameters() if p.requires_grad]
         self.buckets = self._make_buckets(list(reversed(params)), bucket_cap_mb * 2**20)
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self.ready = GradientReady(self.buckets, lambda b: b.params, on_ready=self._bucket_ready,
@@ -122,3 +126,5 @@ class DistributedDataParallel(nn.Module):
         for b in self.buckets:
             b.work.wait()
             b.work = None
+            if self.grad_scale != 1.0:
+                b.flat.mul_(self.grad_scale)

@@ -15,10 +15,22 @@ class GPTConfig:
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # mixture of experts (model/moe.py): 0 experts is the dense model
+    n_experts: int = 0
+    moe_every: int = 1  # every k-th block is an MoE block (blocks k-1, 2k-1, ...)
+    top_k: int = 2
+    capacity_factor: float = 1.0  # expert slots per token group: ceil(cf·k·T/E); 0: dropless
+    renormalize_gates: bool = True  # the chosen k gates renormalised to sum to one
+    aux_loss_coef: float = 0.01  # Switch's load-balancing loss α
+    z_loss_coef: float = 0.001  # ST-MoE's router z-loss
 
     def __post_init__(self):
         if self.d_ff == 0:
             object.__setattr__(self, "d_ff", -(-8 * self.d_model // 3 // 16) * 16)
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
+        if self.moe_every < 1 or self.capacity_factor < 0:
+            raise ValueError(f"moe_every={self.moe_every} must be >= 1 and capacity_factor={self.capacity_factor} >= 0")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if (self.d_model // self.n_heads) % 2:
@@ -27,6 +39,14 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block `layer` has experts instead of the dense SwiGLU MLP."""
+        return self.n_experts > 0 and layer % self.moe_every == self.moe_every - 1
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe(i) for i in range(self.n_layers))
 
     def with_(self, **kw) -> "GPTConfig":
         return replace(self, **kw)
@@ -38,8 +58,10 @@ class GPTConfig:
     def n_params(self) -> int:
         """Every parameter: embedding, per block two RMSNorm weights, q/k/v/o and the three
         SwiGLU matrices, the final norm, the untied LM head."""
-        d, f, V, L = self.d_model, self.d_ff, self.vocab_size, self.n_layers
-        return V * d + L * (2 * d + 4 * d * d + 3 * d * f) + d + d * V
+        d, f, V, L, E = self.d_model, self.d_ff, self.vocab_size, self.n_layers, self.n_experts
+        moe = self.n_moe_layers
+        mlp = (L - moe) * 3 * d * f + moe * (E * d + E * 3 * d * f)  # an MoE block: router and E experts
+        return V * d + L * (2 * d + 4 * d * d) + mlp + d + d * V
 
     def flops_per_token(self, training: bool = True) -> int:
         """Matmul FLOPs per token (PaLM appendix B): 2 per multiply-add of every weight
@@ -47,7 +69,9 @@ class GPTConfig:
         attention's QK^T and AV at 2·2·s·d per layer (full s×s, as kernels compute it
         without exploiting the causal mask). Training is 3× forward (backward = 2×)."""
         d, f, V, L, s = self.d_model, self.d_ff, self.vocab_size, self.n_layers, self.seq_len
-        forward = 2 * (L * (4 * d * d + 3 * d * f) + d * V) + L * 4 * s * d
+        moe = self.n_moe_layers  # a token meets the router and its top_k experts
+        mlp = (L - moe) * 3 * d * f + moe * (self.n_experts * d + self.top_k * 3 * d * f)
+        forward = 2 * (L * 4 * d * d + mlp + d * V) + L * 4 * s * d
         return 3 * forward if training else forward
 
 
@@ -60,12 +84,19 @@ PRESETS = {
     "125m": GPTConfig(vocab_size=50304, d_model=768, n_layers=12, n_heads=12, seq_len=1024),
     "350m": GPTConfig(vocab_size=50304, d_model=1024, n_layers=24, n_heads=16, seq_len=1024),
     "1b": GPTConfig(vocab_size=50304, d_model=2048, n_layers=16, n_heads=32, seq_len=2048),
+    # mixture of experts: every block has experts (top-2 of E)
+    "tiny-moe": GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, seq_len=32, n_experts=4, top_k=2),
+    "small-moe": GPTConfig(vocab_size=256, d_model=128, n_layers=4, n_heads=4, seq_len=128, n_experts=8, top_k=2),
+    # about 1B parameters in all, 8 experts, top-2 (about 0.33B active per token)
+    "1b-moe": GPTConfig(vocab_size=50304, d_model=1024, n_layers=12, n_heads=16, seq_len=2048, n_experts=8,
+                        top_k=2),
 }
 
 
 # AdamW peak learning rate per preset: GPT-3's values for its 125M, 350M and 1.3B models
 # (Brown et al. 2020, table 2.1); the tiny CPU models learn fastest at 3e-3.
-DEFAULT_LR = {"tiny": 3e-3, "small": 3e-3, "125m": 6e-4, "350m": 3e-4, "1b": 2e-4}
+DEFAULT_LR = {"tiny": 3e-3, "small": 3e-3, "125m": 6e-4, "350m": 3e-4, "1b": 2e-4,
+              "tiny-moe": 3e-3, "small-moe": 3e-3, "1b-moe": 3e-4}
 
 
 def preset(name: str, **overrides) -> GPTConfig:

@@ -1,8 +1,9 @@
 """The reference GPT (unsharded): a decoder-only transformer in today's style.
 
 RMSNorm (Zhang & Sennrich 2019), rotary position embeddings (Su et al. 2021), causal
-attention through `scaled_dot_product_attention`, a SwiGLU MLP (Shazeer 2020), pre-norm
-residual blocks and an untied LM head. Parameter names are the reference names that
+attention through `scaled_dot_product_attention`, a SwiGLU MLP (Shazeer 2020) or, in MoE
+blocks, a router and SwiGLU experts (moe.py), pre-norm residual blocks and an untied LM
+head. Parameter names are the reference names that
 every strategy maps its shards to (`blocks.3.attn.wq.weight`).
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import nn
 
 from .config import GPTConfig
 from .init import init_weights
+from .moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -95,12 +97,12 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, c: GPTConfig):
+    def __init__(self, c: GPTConfig, moe: bool = False):
         super().__init__()
         self.attn_norm = RMSNorm(c.d_model, c.norm_eps)
         self.attn = Attention(c)
         self.mlp_norm = RMSNorm(c.d_model, c.norm_eps)
-        self.mlp = SwiGLU(c)
+        self.mlp = MoE(c) if moe else SwiGLU(c)
 
     def forward(self, x, cos, sin):
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -132,7 +134,10 @@ class GPT(nn.Module):
         # rank thread waiting on the import lock): it gets an explicit empty weight instead.
         with torch.device("meta"):
             self.tok_emb = nn.Embedding(c.vocab_size, c.d_model, _weight=torch.empty(c.vocab_size, c.d_model))
-            self.blocks = nn.ModuleDict({str(i): Block(c) for i in range(c.n_layers)})
+            self.blocks = nn.ModuleDict({str(i): Block(c, c.is_moe(i)) for i in range(c.n_layers)})
+            for i, block in self.blocks.items():
+                if isinstance(block.mlp, MoE):
+                    block.mlp.index = int(i)
             self.norm = RMSNorm(c.d_model, c.norm_eps)
             self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
         self.loss = CrossEntropy()
@@ -145,6 +150,10 @@ class GPT(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         if str(device) != "meta":
             self.materialize(device, seed)
+
+    def moe_layers(self) -> list:
+        """The MoE layers this model (or stage) holds."""
+        return [b.mlp for b in self.blocks.values() if isinstance(b.mlp, MoE)]
 
     def materialize(self, device, seed: int = 0) -> "GPT":
         """Give every parameter storage on `device` and its value: the part its placement

@@ -2,8 +2,8 @@
 
 Each full parameter is generated from (seed, its reference name) alone, in float64 on
 the CPU, so a shard on any layout is exactly the slice of the same full tensor.
-Weights are N(0, init_std²); the two output projections of each block (attn.wo,
-mlp.w_down) use init_std/√(2·n_layers) as in GPT-2 (Radford et al. 2019); norm
+Weights are N(0, init_std²); the output projections of each block (attn.wo, mlp.w_down,
+the experts' w_down) use init_std/√(2·n_layers) as in GPT-2 (Radford et al. 2019); norm
 weights are ones.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ def init_full_parameter(name: str, shape, config: GPTConfig, seed: int) -> torch
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.float64)
     std = config.init_std
-    if name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
+    if name.endswith(("attn.wo.weight", "mlp.w_down.weight", "mlp.experts.w_down")):
         std = std / math.sqrt(2 * config.n_layers)
     g = torch.Generator().manual_seed(param_seed(seed, name))
     return torch.randn(shape, generator=g, dtype=torch.float64) * std

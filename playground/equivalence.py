@@ -22,6 +22,8 @@ import torch
 
 from model import GPT
 from model.data import make_source
+from model.moe import MoEStats, TokenGroups
+from sequence_parallel.balance import positions
 
 from .run_config import RunConfig
 from model import assemble
@@ -67,8 +69,13 @@ def reference_run(run: RunConfig) -> dict:
     model = GPT(cfg, seed=run.seed, dtype=torch.float64)
     opt = torch.optim.AdamW(model.parameters(), lr=run.lr, betas=run.betas, weight_decay=run.weight_decay)
     source = make_source(run.data, cfg.vocab_size, run.seed)
-    out = {"losses": []}
+    groups = token_groups(run)
+    for layer in model.moe_layers():
+        layer.groups = groups
+    out = {"losses": [], "moe": []}
     for step in range(run.steps):
+        for layer in model.moe_layers():
+            layer.stats = MoEStats()
         batch = source.global_batch(step, layout.global_batch, cfg.seq_len)
         loss = model(batch[:, :-1], batch[:, 1:])
         loss.backward()
@@ -76,9 +83,27 @@ def reference_run(run: RunConfig) -> dict:
             out["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad(set_to_none=True)
-        out["losses"].append(loss.item())
+        moe = sum(layer.stats.aux + layer.stats.z for layer in model.moe_layers())  # part of the loss
+        out["losses"].append(loss.item() + moe)
+        out["moe"].append([layer.stats for layer in model.moe_layers()])
     out["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
+
+
+def token_groups(run: RunConfig) -> TokenGroups:
+    """The token groups the layout's ranks route (model/moe.py): a row group per dp rank and
+    microbatch (its statistics group is the microbatch), a sequence group per cp rank."""
+    layout, seq = run.layout, run.model.seq_len
+    rows, stats = [], []
+    per_rank = layout.microbatches * layout.micro_batch_size
+    for d in range(layout.dp):
+        for m in range(layout.microbatches):
+            first = d * per_rank + m * layout.micro_batch_size
+            rows.append(list(range(first, first + layout.micro_batch_size)))
+            stats.append(m)
+    seqs = [positions(seq, layout.cp, c, layout.cp_balance) for c in range(layout.cp)] if layout.cp > 1 \
+        else [list(range(seq))]
+    return TokenGroups(rows, stats, seqs)
 
 
 def initial_weights(run: RunConfig) -> dict:
@@ -101,6 +126,11 @@ def check(run: RunConfig) -> CheckReport:
     res = train(run, collect=True)
     rows, problems = [], []
     init = initial_weights(run)
+    for step, (mine, theirs) in enumerate(zip(res.moe_steps(), ref["moe"])):
+        for (index, got), want in zip(mine.items(), theirs):  # tokens dropped by the capacity: the same ones
+            name = f"step {step} block {index}: {got['dropped']} here, {want.dropped} on one device"
+            same = got["dropped"] == want.dropped
+            rows.append(Row("dropped", name, abs(got["dropped"] - want.dropped), float(not same), same))
     for step, (a, b) in enumerate(zip(res.losses, ref["losses"])):
         rows.append(_compare("loss", f"step {step}", torch.tensor(a, dtype=torch.float64),
                             torch.tensor(b, dtype=torch.float64), tol["loss"]))

@@ -16,9 +16,7 @@ from pipeline import SCHEDULES, ScheduleError, build_schedule
 from sequence_parallel.balance import BALANCES, IMPLEMENTATIONS, n_chunks
 
 # strategy flags that parse and validate but whose implementation lands later
-NOT_BUILT = {
-    "ep": "expert parallelism (mixture of experts)",
-}
+NOT_BUILT: dict = {}
 
 
 class LayoutError(ValueError):
@@ -128,8 +126,19 @@ class Layout:
             if self.sequence_parallel and (c.seq_len // self.cp) % self.tp:
                 raise LayoutError(f"sequence parallelism splits each cp rank's seq_len/cp = {c.seq_len // self.cp} "
                                   f"tokens over tp={self.tp}: not divisible")
+        if self.ep > 1 and not c.n_experts:
+            raise LayoutError(f"ep={self.ep} shards experts, and the model has none (n_experts=0): choose an MoE "
+                              f"preset (tiny-moe, small-moe, 1b-moe) or give --experts")
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
-            raise LayoutError(f"ep={self.ep} must divide dp·cp = {self.dp * self.cp}")
+            raise LayoutError(f"ep={self.ep} must divide dp·cp = {self.dp}·{self.cp} = {self.dp * self.cp} (expert-"
+                              f"parallel groups are carved from the data-parallel ranks); ep could be one of "
+                              f"{_divisors(self.dp * self.cp)}")
+        if self.ep > 1 and c.n_experts % self.ep:
+            raise LayoutError(f"n_experts={c.n_experts} is not divisible by ep={self.ep}; ep could be one of "
+                              f"{[d for d in _divisors(c.n_experts) if (self.dp * self.cp) % d == 0]}")
+        if c.n_experts and self.tp > 1:
+            raise LayoutError(f"tp={self.tp} with experts: tensor parallelism of MoE blocks is not built yet "
+                              f"(use dp, cp, pp and ep with MoE models)")
         if self.zero not in (0, 1, 2, 3):
             raise LayoutError(f"zero={self.zero}: choose 0, 1, 2 or 3")
         if self.schedule not in SCHEDULES:

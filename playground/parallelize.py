@@ -10,11 +10,15 @@ docs/architecture.md, "Composition"):
    by a name plan;
 3. context parallelism (sequence_parallel.parallelize_context): every block's attention
    core swapped for ring attention or Ulysses, the model told its tokens' positions;
-4. expert parallelism, 5. activation checkpointing, 6. compile: their transforms plug in
-   here (the layout refuses them until they exist);
+4. expert parallelism (moe.parallelize_experts): each MoE layer keeps its EP rank's
+   experts and dispatches tokens over all-to-alls; every MoE layer counts its load-balancing
+   statistics over dp × cp;
+5. activation checkpointing, 6. compile: their transforms plug in here;
 then every part is materialized on the device (each local tensor from its placement);
 7. data parallelism on each part over dp × cp (parameters are replicated across cp, as in
-   Megatron and torchtitan): DDP, or ZeRO with the part's blocks as units.
+   Megatron and torchtitan): DDP, or ZeRO with the part's blocks as units; with expert
+   parallelism the expert shards get a wrapper of their own over the expert-data-parallel
+   group, their averaged gradients divided by ep (moe/plan.py says why).
 
 The training loop talks to the result through `ParallelModel` only: `run_step` (the
 microbatches of one step, forward and backward, by gradient accumulation or by the
@@ -31,10 +35,13 @@ import torch
 
 from ddp import DistributedDataParallel
 from model import placement_of
+from moe import expert_parameters, parallelize_experts
 from pipeline import PipelineExecutor, build_schedule, split_stages
 from sequence_parallel import parallelize_context, shard_sequence
 from tensor_parallel import parallelize_tensor
 from zero import ZeroDataParallel
+
+from model.moe import MoEStats
 
 from .run_config import torch_dtype
 
@@ -72,6 +79,24 @@ class PipelineRunner:
             total = self.executor.run(inputs, targets)
         self.pp.broadcast(total, src=self.pp.size - 1, label="metrics.loss_pp")
         return total
+
+
+class Syncs:
+    """A part's data-parallel wrappers together (the dense one, and the experts' under
+    expert parallelism): `no_sync` enters all of them."""
+
+    def __init__(self, wrappers: list):
+        self.wrappers = wrappers
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        with contextlib.ExitStack() as stack:
+            for w in self.wrappers:
+                stack.enter_context(w.no_sync())
+            yield
+
+    def scale_loss(self, loss):
+        return self.wrappers[0].scale_loss(loss)
 
 
 # -- what the optimizer holds --------------------------------------------------------------------
@@ -133,6 +158,7 @@ class ParallelModel:
     runner: object  # GradientAccumulation or PipelineRunner: run(inputs, targets, track) -> loss
     optimizer: object  # ReplicatedAdamW or ShardedOptimizer: step, pieces, state_tensors
     positions: torch.Tensor | None = None  # context parallelism: the sequence positions this rank holds
+    pp_group: object = None  # with a pipeline: to add up the stages' MoE losses
 
     @property
     def params(self) -> list:
@@ -148,7 +174,21 @@ class ParallelModel:
         if self.positions is not None:
             inputs = [shard_sequence(x, self.positions) for x in inputs]
             targets = [shard_sequence(y, self.positions) for y in targets]
-        return self.runner.run(inputs, targets, track)
+        layers = self.moe_layers
+        for layer in layers:  # each microbatch's auxiliary losses weigh 1/m, as its cross-entropy
+            layer.aux_scale, layer.stats = 1.0 / len(micro), MoEStats()
+        total = self.runner.run(inputs, targets, track)
+        if layers or self.pp_group is not None:
+            moe = torch.tensor(sum(layer.stats.aux + layer.stats.z for layer in layers), dtype=torch.float64,
+                               device=total.device)
+            if self.pp_group is not None:  # the stages' MoE losses, to the reported loss on every stage
+                self.pp_group.all_reduce(moe, label="metrics.moe_pp")
+            total = total + moe
+        return total
+
+    @property
+    def moe_layers(self) -> list:
+        return [layer for m in self.parts for layer in m.moe_layers()]
 
     def step(self) -> None:
         self.optimizer.step()
@@ -164,6 +204,13 @@ class ParallelModel:
 
 def _uses_zero(run) -> bool:
     return bool(run.layout.zero) or run.dtype == "float16"
+
+
+def expert_mesh(mesh, layout):
+    """The same ranks as `mesh`, with dp × cp seen as (edp, ep): expert-parallel groups of ep
+    neighbouring dp × cp ranks, and the expert-data-parallel groups across them."""
+    from collectives import Mesh
+    return Mesh(mesh.parent, pp=layout.pp, edp=layout.dp * layout.cp // layout.ep, ep=layout.ep, tp=layout.tp)
 
 
 def data_parallel_group(mesh, layout):
@@ -192,28 +239,55 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None) -> Paral
     if layout.cp > 1:
         for part in parts:
             parallelize_context(part, mesh.group("cp"), layout.cp_impl, layout.cp_balance)
-    # (4-6: expert parallelism, activation checkpointing, compile plug in here)
+    # 4. expert parallelism
+    if layout.ep > 1:
+        ep_mesh = expert_mesh(mesh, layout)  # (every rank makes both groups, in this order)
+        ep_group, edp_group = ep_mesh.group("ep"), ep_mesh.group("edp")
+        for part in parts:
+            parallelize_experts(part, ep_group)
+    for part in parts:
+        for layer in part.moe_layers():
+            layer.stats_group = dp if dp.size > 1 else None  # f_i counted over the microbatch's ranks
+    # (5-6: activation checkpointing, compile plug in here)
     for part in parts:
         part.materialize(device, run.seed)
     # 7. data parallelism on each part
     zero = _uses_zero(run)
     label = (lambda s, name: f"{name}.stage{s}") if layout.pp > 1 else (lambda s, name: name)
+    experts = [expert_parameters(part) if layout.ep > 1 else [] for part in parts]
     if zero:
-        syncs = [ZeroDataParallel(part, dp, layout.zero, units=list(part.blocks.values()), lr=run.lr,
-                                  betas=run.betas, weight_decay=run.weight_decay, compute_dtype=torch_dtype(run.dtype),
-                                  reduce_dtype=torch_dtype(run.reduce_dtype) if run.reduce_dtype else None,
-                                  memory=memory, label=label(s, "zero"))
-                 for s, part in zip(stages, parts)]
-        optimizer = ShardedOptimizer(syncs)
+        def zero_engine(part, group, units, exclude, name, scale=1.0):
+            return ZeroDataParallel(part, group, layout.zero, units=units, exclude=exclude, grad_scale=scale,
+                                    lr=run.lr, betas=run.betas, weight_decay=run.weight_decay,
+                                    compute_dtype=torch_dtype(run.dtype),
+                                    reduce_dtype=torch_dtype(run.reduce_dtype) if run.reduce_dtype else None,
+                                    memory=memory, label=name)
+        wrappers = []
+        for s, part, mine in zip(stages, parts, experts):
+            w = [zero_engine(part, dp, list(part.blocks.values()), mine, label(s, "zero"))]
+            if mine:
+                dense = [p for p in part.parameters() if all(p is not q for q in mine)]
+                w.append(zero_engine(part, edp_group, [m.experts for m in part.moe_layers()], dense,
+                                     label(s, "zero.experts"), 1.0 / layout.ep))
+            wrappers.append(w)
+        optimizer = ShardedOptimizer([e for w in wrappers for e in w])
         autocast = contextlib.nullcontext()  # ZeRO computes in its compute copies' dtype
         hidden_dtype = torch_dtype(run.dtype) if run.dtype in ("bfloat16", "float16") else run.param_dtype
     else:
-        syncs = [DistributedDataParallel(part, dp, bucket_cap_mb=run.bucket_cap_mb, label=label(s, "ddp"))
-                 for s, part in zip(stages, parts)]
+        wrappers = []
+        for s, part, mine in zip(stages, parts, experts):
+            dense = [p for p in part.parameters() if all(p is not q for q in mine)]
+            w = [DistributedDataParallel(part, dp, bucket_cap_mb=run.bucket_cap_mb, label=label(s, "ddp"), params=dense)]
+            if mine:
+                w.append(DistributedDataParallel(part, edp_group, bucket_cap_mb=run.bucket_cap_mb,
+                                                 label=label(s, "ddp.experts"), params=mine,
+                                                 grad_scale=1.0 / layout.ep))
+            wrappers.append(w)
         optimizer = ReplicatedAdamW(parts, run)
         autocast = (torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16)
                     if run.dtype == "bfloat16" else contextlib.nullcontext())
         hidden_dtype = run.param_dtype
+    syncs = [Syncs(w) for w in wrappers]
     if layout.pp > 1:
         pp = mesh.group("pp")
         split = layout.tp if layout.sequence_parallel else 1  # SP: stages pass the rank's slice of the sequence
@@ -228,4 +302,5 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None) -> Paral
         runner = PipelineRunner(executor, pp, autocast)
     else:
         runner = GradientAccumulation(parts[0], syncs[0], autocast)
-    return ParallelModel(parts, syncs, runner, optimizer, parts[0].positions)
+    return ParallelModel(parts, syncs, runner, optimizer, parts[0].positions,
+                         mesh.group("pp") if layout.pp > 1 and cfg.n_experts else None)

@@ -88,6 +88,8 @@ def train_summary(res) -> str:
     lines.append(f"throughput: {res.tokens_per_s:,.0f} tokens/s (median step, wall clock, "
                  f"{len(res.losses)} steps in {res.wall_s:.1f} s end to end), "
                  f"{tflops:.3g} model TFLOP/s per rank")
+    if cfg.n_experts:
+        lines.append(moe_table(res))
     if run.layout.pp > 1:
         lines.append(schedule_table(run.layout))
     if run.hardware:
@@ -97,6 +99,26 @@ def train_summary(res) -> str:
     lines.append("\ncommunication per rank per step (from the ledger):")
     lines.append(bytes_per_step(res.ledger, len(res.losses)))
     return "\n".join(lines)
+
+
+def moe_table(res) -> str:
+    """Per MoE layer, the first and last steps: tokens routed per expert (over every rank,
+    before the capacity), the fraction dropped by the capacity, the auxiliary losses."""
+    steps = res.moe_steps()
+    rows = []
+    for k in sorted({0, len(steps) - 1}):
+        for index, st in steps[k].items():
+            routed = st["routed"]
+            mean = sum(routed) / len(routed)
+            rows.append([f"step {k + 1}", f"block {index}", f"{min(routed)}", f"{mean:.1f}", f"{max(routed)}",
+                         f"{max(routed) / mean:.2f}" if mean else "-",
+                         f"{100 * st['dropped'] / st['assignments']:.1f}%" if st["assignments"] else "-",
+                         f"{st['aux']:.5f}", f"{st['z']:.5f}"])
+    c = res.run.model
+    cf = f"capacity factor {c.capacity_factor:g}" if c.capacity_factor else "dropless"
+    return (f"\nexperts: {c.n_experts} per MoE block, top-{c.top_k}, {cf} (tokens routed per expert over every rank "
+            f"before the capacity; dropped: assignments past an expert's capacity in a rank's token group):\n"
+            + table(["", "layer", "min", "mean", "max", "max/mean", "dropped", "aux loss", "z loss"], rows))
 
 
 def schedule_table(layout) -> str:
@@ -164,13 +186,17 @@ def check_summary(rep, verbose: bool = True) -> str:
              f"{run.steps} AdamW steps, backend {run.backend}"]
     rows = []
     for r in rep.rows:
+        if r.what == "dropped":  # tokens the capacity dropped, layout against reference
+            if verbose or not r.ok:
+                rows.append([r.what, r.name, f"{r.max_abs:.0f}", "-", "equal", "ok" if r.ok else "FAIL"])
+            continue
         if verbose or not r.ok or r.what == "loss":
             tol = rep.tolerance[r.what]
             rows.append([r.what, r.name, f"{r.max_abs:.3e}", f"{r.max_rel:.3e}",
                          f"{tol:.0e}" if tol is not None else "not judged", "ok" if r.ok else "FAIL"])
     lines.append(table(["quantity", "tensor", "max abs err", "max rel err", "tolerance", ""], rows))
     lines.append("(rel: loss and gradients over max |reference|; weights over the reference's own update "
-                 "max |w_k - w_0|)")
+                 "max |w_k - w_0|; dropped: tokens the experts' capacity dropped, the difference in count)")
     for p in rep.problems:
         lines.append(f"PROBLEM: {p}")
     worst = {w: rep.worst(w) for w in ("loss", "grad", "weight")}

@@ -48,6 +48,8 @@ class RunConfig:
             raise ValueError(f"reduce_dtype={self.reduce_dtype!r}: choose one of {sorted(DTYPES)}")
         if self.reduce_dtype is not None and not self.layout.zero and self.dtype != "float16":
             raise ValueError(f"--reduce-dtype {self.reduce_dtype} applies to ZeRO's gradient reductions: add --zero 1|2|3")
+        if self.dtype == "float16" and self.model.n_experts:
+            raise ValueError("--dtype float16 with experts: the MoE auxiliary losses are not loss-scaled; use bfloat16")
         if self.dtype == "float16" and self.layout.pp > 1:
             raise ValueError(f"--dtype float16 with pp={self.layout.pp}: dynamic loss scaling is not applied across "
                              f"pipeline stages (each stage would decide to skip a step alone); use bfloat16")

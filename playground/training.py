@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from tqdm import tqdm
@@ -75,7 +76,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
     model = parallelize(GPT(cfg, dtype=run.param_dtype, device="meta"), mesh, run, device, memory)
     source = source or make_source(run.data, cfg.vocab_size, run.seed)
     rows = layout.global_batch // layout.dp
-    out = {"losses": [], "step_times": [], "sim_steps": [], "memory": None}
+    out = {"losses": [], "step_times": [], "sim_steps": [], "memory": None, "moe": []}
     timing = world.timing if run.hardware else None  # the simulator's clock and compute model
     clock = timing.clock if timing else None
     bar = _progress_bar(run.steps) if run.progress and world.rank == 0 else None
@@ -94,6 +95,8 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
             if collect and step == 0:
                 out["grads"] = model.pieces("grad")
             model.step()
+            if cfg.n_experts:  # this rank's routing statistics of the step, per MoE layer it holds
+                out["moe"].append({layer.index: asdict(layer.stats) for layer in model.moe_layers})
             replicas.all_reduce(total, op=ReduceOp.AVG, label="metrics.loss")
             out["memory"] = memory.snapshot(states=MemoryTracker.measure(model.state_tensors()))
             if clock:
@@ -125,6 +128,30 @@ class TrainResult:
     values: list  # every rank's output
     clocks: list | None = None  # every rank's simulated clock (with --hardware)
 
+    def moe_steps(self) -> list:
+        """Per step, per MoE layer: routing statistics summed over the ranks (pre-drop
+        assignments per expert, assignments, dropped) and the auxiliary and z losses averaged
+        over the ranks that hold the layer."""
+        out = []
+        for step in range(len(self.losses)):
+            layers: dict = {}
+            for v in self.values:
+                for index, st in (v["moe"][step] if v.get("moe") else {}).items():
+                    acc = layers.setdefault(index, {"routed": None, "assignments": 0, "dropped": 0, "aux": 0.0,
+                                                    "z": 0.0, "ranks": 0})
+                    acc["routed"] = st["routed"] if acc["routed"] is None else \
+                        [a + b for a, b in zip(acc["routed"], st["routed"])]
+                    for k in ("assignments", "dropped"):
+                        acc[k] += st[k]
+                    acc["aux"] += st["aux"]
+                    acc["z"] += st["z"]
+                    acc["ranks"] += 1
+            for acc in layers.values():
+                acc["aux"] /= acc["ranks"]
+                acc["z"] /= acc["ranks"]
+            out.append(dict(sorted(layers.items())))
+        return out
+
     @property
     def tokens_per_s(self) -> float:
         """Global tokens per second of wall time, median step."""
@@ -134,6 +161,11 @@ class TrainResult:
 
 def train(run: RunConfig, collect: bool = False) -> TrainResult:
     run.layout.validate(run.model)
+    if run.hardware and run.model.n_experts and not run.count_every_step:
+        # token counts change from step to step: a recorded step's compute cannot be replayed
+        print("playground: experts route different token counts every step, so every step's ops are counted "
+              "(no replay of step 2)", file=sys.stderr)
+        run = replace(run, count_every_step=True)
     source = make_source(run.data, run.model.vocab_size, run.seed)
     t0 = time.perf_counter()
     if run.backend == "torch":  # this process is one rank: it uses the source it just built

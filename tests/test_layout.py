@@ -32,7 +32,7 @@ def test_from_counts_errors(kw, message):
     (Layout(pp=2, stage_layers=(1, 2)), r"stage_layers=\[1, 2\]: give 2 positive block counts"),
     (Layout(virtual_stages=2), r"virtual_stages=2 needs schedule='interleaved'"),
     (Layout(sequence_parallel=True), r"sequence_parallel needs tp > 1"),
-    (Layout(ep=2, dp=2), r"ep=2: expert parallelism \(mixture of experts\) is not built yet"),
+    (Layout(ep=2, dp=2), r"ep=2 shards experts, and the model has none"),
     (Layout(zero=4, dp=2), r"zero=4: choose 0, 1, 2 or 3"),
     (Layout(schedule="zz"), r"schedule='zz': choose one of"),
 ])

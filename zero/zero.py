@@ -56,21 +56,26 @@ from .flat_unit import FlatUnit
 from .loss_scaler import DynamicLossScaler
 
 
-def unit_specs(module: nn.Module, units=()) -> list:
+def unit_specs(module: nn.Module, units=(), exclude=()) -> list:
     """[(name, submodule or None, [(Placement, param)])]: the root unit `unit0` (the
     parameters outside every listed submodule; absent when there are none, as in a middle
-    pipeline stage), then `unit<k+1>` for the k-th of `units`."""
+    pipeline stage), then `unit<k+1>` for the k-th of `units` that has parameters; the
+    parameters in `exclude` (another engine's) are left out."""
     placed = {id(p): placement_of(n, p) for n, p in module.named_parameters()}
+    skip = {id(p) for p in exclude}
     in_units = {id(p) for u in units for p in u.parameters()}
-    root = [(placed[id(p)], p) for p in module.parameters() if id(p) not in in_units]
+    root = [(placed[id(p)], p) for p in module.parameters() if id(p) not in in_units and id(p) not in skip]
     specs = [("unit0", None, root)] if root else []
     for k, u in enumerate(units):
-        specs.append((f"unit{k + 1}", u, [(placed[id(p)], p) for p in u.parameters()]))
+        mine = [(placed[id(p)], p) for p in u.parameters() if id(p) not in skip]
+        if mine:
+            specs.append((f"unit{k + 1}", u, mine))
     return specs
 
 
 class ZeroDataParallel(nn.Module):
-    def __init__(self, module: nn.Module, group, stage: int, units=(), lr: float = 1e-3, betas=(0.9, 0.999),
+    def __init__(self, module: nn.Module, group, stage: int, units=(), exclude=(), grad_scale: float = 1.0,
+                 lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, compute_dtype=None, reduce_dtype=None,
                  loss_scaler: DynamicLossScaler | None = None, memory=None, label: str = "zero"):
         super().__init__()
@@ -85,8 +90,9 @@ class ZeroDataParallel(nn.Module):
             loss_scaler = DynamicLossScaler()
         self.scaler = loss_scaler
         self.memory = memory  # a MemoryTracker: transient buffers are reported to it
+        self.grad_scale = grad_scale  # multiplies the averaged gradients (expert parallelism's divisor)
         n, r = (1, 0) if stage == 0 else (group.size, group.rank)
-        specs = unit_specs(module, units)
+        specs = unit_specs(module, units, exclude)
         if self.mixed:  # the model computes in the compute dtype: its floating buffers too (RoPE tables)
             for b in module.buffers():
                 if b.is_floating_point():
@@ -132,8 +138,10 @@ class ZeroDataParallel(nn.Module):
     def _local_grad(self, u) -> torch.Tensor:
         """The reduced gradient this rank updates with (its shard; all of it at stage 0)."""
         if self.stage == 0:
-            return u.grad_flat
-        return u.grad_flat[u.lo:u.hi] if self.stage == 1 else u.grad_shard
+            g = u.grad_flat
+        else:
+            g = u.grad_flat[u.lo:u.hi] if self.stage == 1 else u.grad_shard
+        return g * self.grad_scale if self.grad_scale != 1.0 else g
 
     @torch.no_grad()
     def step(self) -> bool:

@@ -1,0 +1,78 @@
+"""Token dispatch for expert parallelism (Lepikhin et al. 2020, GShard; the all-to-all
+token dispatcher of Megatron-Core and torchtitan).
+
+The E experts are split over the ep ranks of the group, E/ep each, rank j holding experts
+[j·E/ep, (j+1)·E/ep). A rank's kept assignments arrive sorted expert-major with the count
+of each expert's tokens. Then:
+
+1. the counts are exchanged first (`moe.counts`: an all-to-all of E integers), so each
+   rank knows how many tokens every source sends each of its experts;
+2. the tokens go to the ranks of their experts in one uneven all-to-all (`moe.dispatch`),
+   arriving source-major (from rank 0: its tokens for my expert 0, for my expert 1, ...;
+   from rank 1: ...), and are regrouped expert-major for the local experts;
+3. the outputs are put back source-major and return by the reverse all-to-all
+   (`moe.combine`); the layer then weighs them by their gates and adds them up.
+
+Both all-to-alls are autograd functions whose backward is the all-to-all with the splits
+swapped, so the experts' gradients sum the contributions of every source rank's tokens.
+Dropless routing uses the same exchanged counts for its uneven splits. Each all-to-all
+moves, per rank, exactly the tokens routed to experts on other ranks × d × element size.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _all_to_all(x, group, out_splits, in_splits, label):
+    out = torch.empty((sum(out_splits), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    group.all_to_all(out, x.contiguous(), out_splits=out_splits, in_splits=in_splits, label=label)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits, label):
+        ctx.group, ctx.splits, ctx.label = group, (out_splits, in_splits), label
+        return _all_to_all(x, group, out_splits, in_splits, label)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all(grad, ctx.group, in_splits, out_splits, ctx.label), None, None, None, None
+
+
+def all_to_all(x, group, out_splits, in_splits, label: str):
+    """Differentiable uneven all-to-all along dim 0."""
+    return _AllToAll.apply(x, group, list(out_splits), list(in_splits), label)
+
+
+class ExpertParallelDispatch:
+    """The layer's `dispatch`: (tokens sorted expert-major, counts of all E experts, the
+    local experts) -> their outputs, in the same order."""
+
+    def __init__(self, group, n_experts: int):
+        self.group, self.n_experts = group, n_experts
+        self.local = n_experts // group.size
+
+    def __call__(self, x, counts, experts):
+        ep, local = self.group.size, self.local
+        send = counts.reshape(ep, local)  # per destination rank, per its expert
+        recv = torch.empty_like(send)
+        self.group.all_to_all(recv, send.contiguous(), label="moe.counts")
+        send_c, recv_c = send.tolist(), recv.tolist()  # (the host needs the sizes, as every dispatcher does)
+        in_splits, out_splits = [sum(r) for r in send_c], [sum(r) for r in recv_c]
+        got = all_to_all(x, self.group, out_splits, in_splits, "moe.dispatch")
+        # source-major -> expert-major for the local experts
+        pieces, start = [], 0
+        for src in range(ep):
+            for e in range(local):
+                pieces.append((e, src, start, recv_c[src][e]))
+                start += recv_c[src][e]
+        order = sorted(pieces)
+        index = torch.cat([torch.arange(a, a + n, device=x.device) for _, _, a, n in order]) if start else \
+            torch.zeros(0, dtype=torch.long, device=x.device)
+        per_expert = [sum(recv_c[src][e] for src in range(ep)) for e in range(local)]
+        y = experts(got[index], per_expert)
+        inverse = torch.empty_like(index)
+        inverse[index] = torch.arange(index.numel(), device=index.device)
+        return all_to_all(y[inverse], self.group, in_splits, out_splits, "moe.combine")  # source-major again
