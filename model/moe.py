@@ -150,7 +150,7 @@ class MoE(nn.Module):
     def _group(self, x, routing: Routing):
         """The experts' outputs combined for the group's tokens x (T, d)."""
         y = self._apply_experts(x[routing.tokens], routing.counts)
-        out = torch.zeros_like(x)
+        out = x.new_zeros(x.shape, dtype=y.dtype)  # (under autocast the experts' dtype, as a dense MLP's)
         return out.index_add(0, routing.tokens, y * routing.gates.unsqueeze(-1).to(y.dtype))
 
     def _losses(self, logits, probs, frac):
@@ -191,7 +191,7 @@ class MoE(nn.Module):
         group) is a token group; f_i counted over the groups of the same microbatch; the
         auxiliary losses averaged over the groups (each group has as many tokens)."""
         c, gr = self.config, self.groups
-        out = torch.zeros_like(x)
+        out = None
         cells = [(rows, seq) for rows in range(len(gr.rows)) for seq in gr.seqs]
         routed, stats = [], {}
         for g, seq in cells:
@@ -206,6 +206,8 @@ class MoE(nn.Module):
             aux, z = self._losses(logits, probs, total.to(probs.dtype) / total.sum())
             aux_total, z_total = aux_total + aux / len(cells), z_total + z / len(cells)
             y = self._group(xs.reshape(-1, xs.shape[-1]), r).reshape(xs.shape)
+            if out is None:
+                out = x.new_zeros(x.shape, dtype=y.dtype)
             rows = torch.tensor(gr.rows[g], device=x.device)
             out[rows.unsqueeze(1), torch.tensor(seq, device=x.device).unsqueeze(0)] = y
             self._record(0, 0, r.routed, r.dropped)

@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--world", type=int, help="number of ranks (default: the product of the axes; under torchrun "
                                              "its process count)")
     for axis, what in (("dp", "data-parallel"), ("tp", "tensor-parallel (Megatron)"), ("pp", "pipeline-parallel"),
-                       ("cp", "context-parallel"), ("ep", "expert-parallel (not built yet)")):
+                       ("cp", "context-parallel"), ("ep", "expert-parallel (MoE models)")):
         g.add_argument(f"--{axis}", type=int, help=f"{what} degree (default: " +
                        ("what --world leaves over the other axes, else 1)" if axis == "dp" else "1)"))
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
@@ -62,6 +62,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="which sequence chunks a cp rank holds: zigzag (rank r: chunks r and 2cp-1-r, equal causal "
                         "work) or contiguous (rank r: chunk r)")
     g.add_argument("--seq-len", type=int, help="sequence length (default: the preset's)")
+    m = common.add_argument_group("mixture of experts (the -moe presets, or --experts on any preset)")
+    m.add_argument("--experts", type=int, help="experts per MoE block (default: the preset's; 0 for none)")
+    m.add_argument("--moe-every", type=int, help="every k-th block has experts (default: the preset's, 1)")
+    m.add_argument("--top-k", type=int, help="experts per token (default: the preset's, 2)")
+    cap = m.add_mutually_exclusive_group()
+    cap.add_argument("--capacity-factor", type=float,
+                     help="expert slots per token group: ceil(cf·k·T/E); overflow is dropped (default: the preset's, 1.0)")
+    cap.add_argument("--dropless", action="store_true", help="no capacity: every assignment is computed")
+    m.add_argument("--aux-loss-coef", type=float, help="Switch load-balancing loss coefficient α (default: 0.01)")
+    m.add_argument("--z-loss-coef", type=float, help="ST-MoE router z-loss coefficient β (default: 0.001)")
     g.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule with --pp")
     g.add_argument("--microbatches", type=int, default=1,
                    help="microbatches per step per DP rank (gradient accumulation, or the pipeline's m)")
@@ -174,7 +184,13 @@ def run_config(args, default_steps: int):
         stage_layers=_stage_layers(args.stage_layers), cp_impl=args.cp_impl, cp_balance=args.cp_balance)
     if args.seq_len is not None and args.seq_len < 2:
         raise ValueError(f"--seq-len {args.seq_len}: must be at least 2")
-    cfg = preset(args.model, **({"seq_len": args.seq_len} if args.seq_len else {}))
+    overrides = {k: v for k, v in (("seq_len", args.seq_len), ("n_experts", args.experts), ("moe_every", args.moe_every),
+                                   ("top_k", args.top_k), ("capacity_factor", args.capacity_factor),
+                                   ("aux_loss_coef", args.aux_loss_coef), ("z_loss_coef", args.z_loss_coef))
+                 if v is not None}
+    if args.dropless:
+        overrides["capacity_factor"] = 0.0
+    cfg = preset(args.model, **overrides)
     layout.validate(cfg)
     if args.hardware:
         from simulator import load_hardware

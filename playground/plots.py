@@ -8,7 +8,9 @@
 - schedule.png: with --pp, the pipeline schedule as the classic picture (ranks by time,
   forward and backward boxes numbered by microbatch, equal stage costs);
 - check.png (`playground check --plots`): each tensor's relative error against the
-  tolerance, gradients and weights.
+  tolerance, gradients and weights;
+- experts.png: with experts, each MoE layer's load per expert over the steps (tokens
+  routed to it over every rank, before the capacity, over the mean): a heatmap.
 
 Every series has its own colour (however many labels), legends sit outside the plot.
 """
@@ -140,9 +142,31 @@ def pipeline_schedule(res, path: str) -> None:
     _save(fig, path)
 
 
+def expert_load(res, path: str) -> None:
+    steps = res.moe_steps()
+    layers = sorted(steps[0])
+    fig, axes = plt.subplots(len(layers), 1, figsize=(max(6, 0.25 * len(steps) + 3), 1.2 + 1.1 * len(layers)),
+                             squeeze=False, sharex=True)
+    for ax, index in zip(axes[:, 0], layers):
+        load = [[n / (sum(st[index]["routed"]) / len(st[index]["routed"])) for n in st[index]["routed"]]
+                for st in steps]
+        im = ax.imshow(list(map(list, zip(*load))), aspect="auto", cmap="viridis", origin="lower",
+                       extent=(0.5, len(steps) + 0.5, -0.5, len(load[0]) - 0.5))
+        ax.set_ylabel(f"block {index}\nexpert")
+        fig.colorbar(im, ax=ax, label="load / mean")
+    axes[-1, 0].set_xlabel("step")
+    axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.suptitle("Tokens routed to each expert (over every rank, before the capacity), over the mean", fontsize=9)
+    _save(fig, path)
+
+
 def write_plots(res, directory: str) -> list:
     os.makedirs(directory, exist_ok=True)
     written = []
+    if res.run.model.n_experts:
+        path = os.path.join(directory, "experts.png")
+        expert_load(res, path)
+        written.append(path)
     if res.run.layout.pp > 1:
         path = os.path.join(directory, "schedule.png")
         pipeline_schedule(res, path)

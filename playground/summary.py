@@ -71,6 +71,7 @@ def train_json(res) -> dict:
             m["cuda_peak_allocated"] = v["cuda_peak_allocated"]
         out["memory"].append({"rank": r, **m})
     out["communication"] = communication(res.ledger, steps)
+    out["moe"] = [{str(k): v for k, v in st.items()} for st in res.moe_steps()] if run.model.n_experts else None
     out["simulated"] = None
     if run.hardware:
         per_rank = []

@@ -1,0 +1,191 @@
+"""Mixture of experts with expert parallelism: every layout against one device in float64
+(with the capacity dropping tokens, and dropless), the dispatch at unit level, sabotaged
+dispatches and divisors that must fail, the ledger's all-to-all bytes, and runs on the
+simulated clock."""
+import pytest
+import torch
+
+from collectives import launch
+from model import GPT, preset
+from model.moe import MoE, route
+from moe import ExpertParallelDispatch
+from playground import Layout, LayoutError, RunConfig, check, train
+
+BASE = preset("tiny-moe", vocab_size=61)  # 2 blocks, both MoE, 4 experts, top-2, capacity factor 1
+
+
+def _run(model=BASE, dtype="float64", steps=3, microbatches=2, **axes):
+    return RunConfig(model=model, layout=Layout(microbatches=microbatches, micro_batch_size=2, **axes), steps=steps,
+                     dtype=dtype, progress=False)
+
+
+def _dropped(rep):
+    return sum(int(r.name.split(": ")[1].split(" ")[0]) for r in rep.rows if r.what == "dropped")
+
+
+CASES = {
+    "ep1-E4-k2": dict(dp=2),
+    "ep2-E4-k2": dict(dp=2, ep=2),
+    "ep4-E4-k2": dict(dp=4, ep=4),
+    "ep2-E8-k1": dict(dp=2, ep=2, model=BASE.with_(n_experts=8, top_k=1)),
+    "ep4-E8-k2": dict(dp=4, ep=4, model=BASE.with_(n_experts=8)),
+    "ep2-E4-k2-dropless": dict(dp=2, ep=2, model=BASE.with_(capacity_factor=0.0)),
+    "ep4-E8-k1-dropless": dict(dp=4, ep=4, model=BASE.with_(n_experts=8, top_k=1, capacity_factor=0.0)),
+    "dp4-ep2": dict(dp=4, ep=2),
+    "pp2-ep2": dict(pp=2, dp=2, ep=2, microbatches=4),
+    "ep2-zero1": dict(dp=2, ep=2, zero=1),
+    "ep2-zero3": dict(dp=2, ep=2, zero=3),
+    "cp2-ep2": dict(cp=2, ep=2),
+    "dp2-cp2-ep4": dict(dp=2, cp=2, ep=4),
+    "moe-every-2-pp2": dict(pp=2, dp=2, ep=2, microbatches=2, model=BASE.with_(n_layers=4, moe_every=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_layout_matches_one_device(name):
+    kw = dict(CASES[name])
+    rep = check(_run(**kw))
+    assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
+    assert rep.worst("loss").max_rel < 1e-14 and rep.worst("grad").max_rel < 1e-12
+    model = kw.get("model", BASE)
+    if model.capacity_factor:
+        assert _dropped(rep) > 0  # the capacity is active, and drops the same tokens on both sides
+    else:
+        assert _dropped(rep) == 0
+
+
+def test_moe_in_float32_and_bfloat16():
+    assert check(_run(dtype="float32", dp=2, ep=2)).passed
+    rep = check(_run(dtype="bfloat16", dp=2, ep=2, model=BASE.with_(capacity_factor=0.0)))
+    assert rep.passed, [r for r in rep.rows if not r.ok]
+
+
+# -- the dispatch at unit level -------------------------------------------------------------------
+class _Identity(torch.nn.Module):
+    def forward(self, x, counts):
+        return x.clone()
+
+
+@pytest.mark.parametrize("ep", [2, 3, 4])
+def test_identity_experts_round_trip_returns_the_input_exactly(ep):
+    E = 2 * ep
+
+    def fn(world):
+        g = torch.Generator().manual_seed(world.rank)
+        counts = torch.randint(0, 5, (E,), generator=g)  # uneven, some zero
+        x = torch.randn(int(counts.sum()), 8, dtype=torch.float64, generator=g)
+        y = ExpertParallelDispatch(world, E)(x, counts, _Identity())
+        return torch.equal(x, y)
+    assert all(launch(fn, ep).values)
+
+
+def test_dropless_output_of_a_rank_does_not_depend_on_the_others_tokens():
+    cfg = BASE.with_(capacity_factor=0.0)
+
+    def fn(world, other_seed):
+        torch.manual_seed(0)
+        layer = MoE(cfg).to(torch.float64)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))
+        from moe.plan import parallelize_experts
+        holder = torch.nn.Module()
+        holder.blocks = torch.nn.ModuleDict({"0": torch.nn.Module()})
+        holder.blocks["0"].mlp = layer
+        parallelize_experts(holder, world)
+        seed = 1 if world.rank == 0 else other_seed
+        x = torch.randn(2, 8, cfg.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        return layer(x).detach()
+    a = launch(fn, 2, args=(2,)).values[0]
+    b = launch(fn, 2, args=(3,)).values[0]
+    assert torch.equal(a, b)
+
+
+def test_capacity_keeps_first_choices_then_the_most_probable():
+    cfg = BASE.with_(n_experts=2, top_k=1, capacity_factor=1.0)  # 4 tokens, 2 experts: 2 slots each
+    logits = torch.tensor([[3.0, 0.0], [2.0, 0.0], [4.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    _, r = route(logits, cfg)
+    assert r.dropped == 1 and r.counts.tolist() == [2, 1]
+    assert sorted(r.tokens[:2].tolist()) == [0, 2]  # token 1 (lowest probability for expert 0) dropped
+
+
+# -- sabotage ---------------------------------------------------------------------------------------
+def test_the_check_catches_expert_gradients_averaged_by_the_smaller_group(monkeypatch):
+    """Dividing by the expert-data-parallel group's size only (grad_scale 1 instead of 1/ep)
+    gives expert gradients ep times too large."""
+    import playground.parallelize as par
+    real = par.DistributedDataParallel
+    monkeypatch.setattr(par, "DistributedDataParallel", lambda *a, grad_scale=1.0, **k: real(*a, **k))
+    rep = check(_run(steps=1, dp=2, ep=2))
+    assert not rep.passed
+    worst = rep.worst("grad")
+    assert "experts" in worst.name and worst.max_rel > 0.5
+
+
+def test_the_check_catches_a_token_sent_to_the_wrong_expert(monkeypatch):
+    """The receiving rank cuts its tokens into its experts' batches with the counts in the
+    wrong order: tokens meet another expert than their router chose."""
+    import moe.dispatch as d
+    real = d.ExpertParallelDispatch.__call__
+
+    def misrouted(self, x, counts, experts):
+        return real(self, x, counts, lambda tokens, per_expert: experts(tokens, per_expert[::-1]))
+    monkeypatch.setattr(d.ExpertParallelDispatch, "__call__", misrouted)
+    rep = check(_run(steps=1, dp=2, ep=2, model=BASE.with_(n_experts=8)))
+    assert not rep.passed and rep.worst("loss").max_rel > 1e-6
+
+
+# -- ledger -----------------------------------------------------------------------------------------
+def test_all_to_all_bytes_are_the_tokens_routed_off_the_rank(monkeypatch):
+    """Per rank, layer and microbatch: the dispatch sends exactly the kept assignments routed
+    to experts on other ranks × d × element size (the combine sends them back), and the
+    counts exchange is an all-to-all of E integers under its own label."""
+    import threading
+
+    import model.moe as mm
+    real = mm.route
+    seen: dict = {}
+
+    def spy(logits, c):
+        probs, r = real(logits, c)
+        seen.setdefault(threading.current_thread().name, []).append(r.counts.clone())
+        return probs, r
+    monkeypatch.setattr(mm, "route", spy)
+    ep, E, d, L = 2, BASE.n_experts, BASE.d_model, BASE.n_layers
+    res = train(_run(dtype="float32", steps=2, dp=2, ep=ep))
+    for r in range(2):
+        counts = seen[f"sim-rank-{r}"]  # per microbatch, per layer, in order
+        mine = range(r * E // ep, (r + 1) * E // ep)
+        expected = [sum(int(c[e]) for e in range(E) if e not in mine) * d * 4 for c in counts]
+        entries = res.ledger.for_rank(r)
+        dispatch = [e.bytes_sent for e in entries if e.label == "moe.dispatch"]
+        # per microbatch: L forward dispatches, then the L backward ones (the transposed all-to-all)
+        forward = [b for i, b in enumerate(dispatch) if i % (2 * L) < L]
+        assert forward == expected and len(dispatch) == 2 * len(expected)
+        exchanges = [e for e in entries if e.label == "moe.counts"]
+        assert len(exchanges) == len(counts) and {e.size for e in exchanges} == {E * 8}
+
+
+# -- running ----------------------------------------------------------------------------------------
+def test_simulated_time_counts_every_step_of_an_moe_run(capsys):
+    run = RunConfig(model=BASE, layout=Layout(dp=2, ep=2, micro_batch_size=2), steps=4, hardware="h100-sxm",
+                    progress=False)
+    res = train(run)
+    assert "every step's ops are counted" in capsys.readouterr().err
+    assert all(len(v["sim_steps"]) == 4 for v in res.values)
+    assert res.moe_steps()[-1][0]["assignments"] == 2 * 2 * BASE.seq_len * BASE.top_k
+
+
+@pytest.mark.parametrize("layout,message", [
+    (Layout(dp=3, ep=3), r"n_experts=4 is not divisible by ep=3"),
+    (Layout(dp=2, ep=4), r"ep=4 must divide dp·cp = 2·1 = 2"),
+    (Layout(tp=2, dp=2, ep=2), r"tp=2 with experts: tensor parallelism of MoE blocks is not built yet"),
+])
+def test_moe_layouts_that_do_not_fit(layout, message):
+    with pytest.raises(LayoutError, match=message):
+        layout.validate(BASE)
+
+
+def test_moe_parameters_and_flops_formulas():
+    c = preset("tiny-moe")
+    assert c.n_params() == sum(p.numel() for p in GPT(c, device="meta").parameters())
