@@ -103,6 +103,9 @@ def token_groups(run: RunConfig) -> TokenGroups:
             stats.append(m)
     seqs = [positions(seq, layout.cp, c, layout.cp_balance) for c in range(layout.cp)] if layout.cp > 1 \
         else [list(range(seq))]
+    if layout.sequence_parallel:  # each TP rank holds a contiguous slice of its cp rank's tokens
+        n = len(seqs[0]) // layout.tp
+        seqs = [s[t * n:(t + 1) * n] for s in seqs for t in range(layout.tp)]
     return TokenGroups(rows, stats, seqs)
 
 

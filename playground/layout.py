@@ -136,9 +136,9 @@ class Layout:
         if self.ep > 1 and c.n_experts % self.ep:
             raise LayoutError(f"n_experts={c.n_experts} is not divisible by ep={self.ep}; ep could be one of "
                               f"{[d for d in _divisors(c.n_experts) if (self.dp * self.cp) % d == 0]}")
-        if c.n_experts and self.tp > 1:
-            raise LayoutError(f"tp={self.tp} with experts: tensor parallelism of MoE blocks is not built yet "
-                              f"(use dp, cp, pp and ep with MoE models)")
+        if c.n_experts and self.tp > 1 and not self.sequence_parallel:
+            raise LayoutError(f"tp={self.tp} with experts needs --sp: each TP rank then routes its slice of the "
+                              f"sequence, so no token reaches the experts twice")
         if self.zero not in (0, 1, 2, 3):
             raise LayoutError(f"zero={self.zero}: choose 0, 1, 2 or 3")
         if self.schedule not in SCHEDULES:

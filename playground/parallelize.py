@@ -159,6 +159,7 @@ class ParallelModel:
     optimizer: object  # ReplicatedAdamW or ShardedOptimizer: step, pieces, state_tensors
     positions: torch.Tensor | None = None  # context parallelism: the sequence positions this rank holds
     pp_group: object = None  # with a pipeline: to add up the stages' MoE losses
+    slices_group: object = None  # MoE under sequence parallelism: the TP ranks routing slices of one sequence
 
     @property
     def params(self) -> list:
@@ -175,12 +176,15 @@ class ParallelModel:
             inputs = [shard_sequence(x, self.positions) for x in inputs]
             targets = [shard_sequence(y, self.positions) for y in targets]
         layers = self.moe_layers
-        for layer in layers:  # each microbatch's auxiliary losses weigh 1/m, as its cross-entropy
-            layer.aux_scale, layer.stats = 1.0 / len(micro), MoEStats()
+        slices = self.slices_group.size if self.slices_group is not None else 1
+        for layer in layers:  # a microbatch's auxiliary losses weigh 1/m as its cross-entropy (1/tp per slice)
+            layer.aux_scale, layer.stats = 1.0 / (len(micro) * slices), MoEStats()
         total = self.runner.run(inputs, targets, track)
         if layers or self.pp_group is not None:
             moe = torch.tensor(sum(layer.stats.aux + layer.stats.z for layer in layers), dtype=torch.float64,
                                device=total.device)
+            if self.slices_group is not None:  # the TP ranks' slices, to the reported loss on each of them
+                self.slices_group.all_reduce(moe, label="metrics.moe_tp")
             if self.pp_group is not None:  # the stages' MoE losses, to the reported loss on every stage
                 self.pp_group.all_reduce(moe, label="metrics.moe_pp")
             total = total + moe
@@ -240,21 +244,27 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None) -> Paral
         for part in parts:
             parallelize_context(part, mesh.group("cp"), layout.cp_impl, layout.cp_balance)
     # 4. expert parallelism
-    if layout.ep > 1:
-        ep_mesh = expert_mesh(mesh, layout)  # (every rank makes both groups, in this order)
-        ep_group, edp_group = ep_mesh.group("ep"), ep_mesh.group("edp")
-        for part in parts:
-            parallelize_experts(part, ep_group)
+    sp_slices = layout.tp if layout.sequence_parallel else 1  # TP ranks holding different tokens
+    split_experts = layout.ep > 1 or (cfg.n_experts and sp_slices > 1)  # experts need their own reduction
+    if split_experts:
+        ep_mesh = expert_mesh(mesh, layout)  # (every rank makes these groups, in this order)
+        ep_group, edp_group = ep_mesh.group("ep"), ep_mesh.group("edp", "tp")
+        if layout.ep > 1:
+            for part in parts:
+                parallelize_experts(part, ep_group)
+    tokens = mesh.group("dp", "cp", "tp") if cfg.n_experts and sp_slices > 1 else dp  # token-distinct ranks
     for part in parts:
         for layer in part.moe_layers():
-            layer.stats_group = dp if dp.size > 1 else None  # f_i counted over the microbatch's ranks
+            layer.stats_group = tokens if tokens.size > 1 else None  # f_i counted over the microbatch's ranks
     # (5-6: activation checkpointing, compile plug in here)
     for part in parts:
         part.materialize(device, run.seed)
     # 7. data parallelism on each part
     zero = _uses_zero(run)
     label = (lambda s, name: f"{name}.stage{s}") if layout.pp > 1 else (lambda s, name: name)
-    experts = [expert_parameters(part) if layout.ep > 1 else [] for part in parts]
+    experts = [expert_parameters(part) if split_experts else [] for part in parts]
+    # expert shards: the sum over the expert-data-parallel group (× tp slices) over dp·cp (moe/plan.py)
+    expert_scale = sp_slices / layout.ep
     if zero:
         def zero_engine(part, group, units, exclude, name, scale=1.0):
             return ZeroDataParallel(part, group, layout.zero, units=units, exclude=exclude, grad_scale=scale,
@@ -268,7 +278,7 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None) -> Paral
             if mine:
                 dense = [p for p in part.parameters() if all(p is not q for q in mine)]
                 w.append(zero_engine(part, edp_group, [m.experts for m in part.moe_layers()], dense,
-                                     label(s, "zero.experts"), 1.0 / layout.ep))
+                                     label(s, "zero.experts"), expert_scale))
             wrappers.append(w)
         optimizer = ShardedOptimizer([e for w in wrappers for e in w])
         autocast = contextlib.nullcontext()  # ZeRO computes in its compute copies' dtype
@@ -281,7 +291,7 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None) -> Paral
             if mine:
                 w.append(DistributedDataParallel(part, edp_group, bucket_cap_mb=run.bucket_cap_mb,
                                                  label=label(s, "ddp.experts"), params=mine,
-                                                 grad_scale=1.0 / layout.ep))
+                                                 grad_scale=expert_scale))
             wrappers.append(w)
         optimizer = ReplicatedAdamW(parts, run)
         autocast = (torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16)
@@ -303,4 +313,5 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None) -> Paral
     else:
         runner = GradientAccumulation(parts[0], syncs[0], autocast)
     return ParallelModel(parts, syncs, runner, optimizer, parts[0].positions,
-                         mesh.group("pp") if layout.pp > 1 and cfg.n_experts else None)
+                         mesh.group("pp") if layout.pp > 1 and cfg.n_experts else None,
+                         tp if cfg.n_experts and sp_slices > 1 else None)

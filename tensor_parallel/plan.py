@@ -7,6 +7,8 @@ code) stays the reference's.
 - attention: q, k, v column-parallel (split by heads) behind one f, applied by a forward
   pre-hook on the attention; the output projection row-parallel, ending in g;
 - MLP: gate and up column-parallel behind one f, down row-parallel ending in g;
+- MoE blocks (with sequence parallelism only): the experts stay whole, each TP rank routing
+  its slice of the sequence; the router's weight enters through f (its gradient summed);
 - embedding: vocabulary-parallel (ending in g); head: column-parallel over the vocabulary
   (f before it); loss: the vocabulary-parallel cross-entropy, so the logits are never
   gathered.
@@ -25,6 +27,7 @@ from __future__ import annotations
 from torch import nn
 
 from model.gpt import RMSNorm
+from model.moe import MoE
 
 from .cross_entropy import VocabParallelCrossEntropy
 from .embedding import VocabParallelEmbedding
@@ -39,6 +42,18 @@ def _labels(part: str, sp: bool) -> tuple[str, str]:
 def _enter_before(module, group, sp: bool, label: str) -> None:
     """f (or the sequence all-gather) on the module's first input, as a forward pre-hook."""
     module.register_forward_pre_hook(lambda m, args: (enter_tp(args[0], group, sp, label),) + tuple(args[1:]))
+
+
+class SequenceParallelRouter(nn.Module):
+    """An MoE layer's router under sequence parallelism: each TP rank routes its slice of the
+    sequence, so the weight enters through f and its partial gradients are summed."""
+
+    def __init__(self, router: nn.Linear, group):
+        super().__init__()
+        self.weight, self.group = router.weight, group
+
+    def forward(self, x):
+        return nn.functional.linear(x, copy_to_tp(self.weight, self.group, "tp.sp_router_grads"))
 
 
 class SequenceParallelRMSNorm(RMSNorm):
@@ -70,8 +85,14 @@ def parallelize_tensor(model, group, sequence_parallel: bool = False):
             model.tok_emb, "tok_emb", group, sp, label=_labels("embed", sp)[1])
     for i, block in model.blocks.items():
         prefix = f"blocks.{i}."
+        moe = isinstance(block.mlp, MoE)
+        if moe:
+            if not sp:
+                raise ValueError("tensor parallelism of MoE blocks needs sequence parallelism: each TP rank routes "
+                                 "its slice of the sequence (the tokens are not duplicated before dispatch)")
+            block.mlp.router = SequenceParallelRouter(block.mlp.router, group)  # experts stay whole
         for part, module, columns, row in (("attn", block.attn, ("wq", "wk", "wv"), "wo"),
-                                           ("mlp", block.mlp, ("w_gate", "w_up"), "w_down")):
+                                           ("mlp", block.mlp, ("w_gate", "w_up"), "w_down"))[:1 if moe else 2]:
             enter_label, exit_label = _labels(part, sp)
             for name in columns:
                 setattr(module, name, ColumnParallelLinear.from_reference(

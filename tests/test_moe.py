@@ -38,6 +38,10 @@ CASES = {
     "cp2-ep2": dict(cp=2, ep=2),
     "dp2-cp2-ep4": dict(dp=2, cp=2, ep=4),
     "moe-every-2-pp2": dict(pp=2, dp=2, ep=2, microbatches=2, model=BASE.with_(n_layers=4, moe_every=2)),
+    "ep2-tp2-sp": dict(dp=2, tp=2, sequence_parallel=True, ep=2),
+    "ep1-tp2-sp": dict(tp=2, sequence_parallel=True),
+    "ep2-tp2-sp-zero3": dict(dp=2, tp=2, sequence_parallel=True, ep=2, zero=3),
+    "dp2-tp2-pp2-ep2-sp": dict(dp=2, tp=2, pp=2, sequence_parallel=True, ep=2, microbatches=4),
 }
 
 
@@ -135,6 +139,16 @@ def test_the_check_catches_a_token_sent_to_the_wrong_expert(monkeypatch):
     assert not rep.passed and rep.worst("loss").max_rel > 1e-6
 
 
+def test_the_check_catches_router_gradients_not_summed_over_tensor_parallel_slices(monkeypatch):
+    import tensor_parallel.plan as plan
+    monkeypatch.setattr(plan, "copy_to_tp", lambda w, group, label: w if "router" in label else
+                        plan.__dict__["_copy"](w, group, label))
+    from tensor_parallel.mappings import copy_to_tp
+    monkeypatch.setitem(plan.__dict__, "_copy", copy_to_tp)
+    rep = check(_run(steps=1, dp=2, tp=2, sequence_parallel=True, ep=2))
+    assert not rep.passed and "router" in rep.worst("grad").name
+
+
 # -- ledger -----------------------------------------------------------------------------------------
 def test_all_to_all_bytes_are_the_tokens_routed_off_the_rank(monkeypatch):
     """Per rank, layer and microbatch: the dispatch sends exactly the kept assignments routed
@@ -179,7 +193,7 @@ def test_simulated_time_counts_every_step_of_an_moe_run(capsys):
 @pytest.mark.parametrize("layout,message", [
     (Layout(dp=3, ep=3), r"n_experts=4 is not divisible by ep=3"),
     (Layout(dp=2, ep=4), r"ep=4 must divide dp·cp = 2·1 = 2"),
-    (Layout(tp=2, dp=2, ep=2), r"tp=2 with experts: tensor parallelism of MoE blocks is not built yet"),
+    (Layout(tp=2, dp=2, ep=2), r"tp=2 with experts needs --sp"),
 ])
 def test_moe_layouts_that_do_not_fit(layout, message):
     with pytest.raises(LayoutError, match=message):
