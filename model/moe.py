@@ -103,10 +103,25 @@ def capacity(c, tokens: int) -> int | None:
     return math.ceil(c.capacity_factor * c.top_k * tokens / c.n_experts) if c.capacity_factor else None
 
 
+def _balanced(probs, T: int, c) -> Routing:
+    """On the meta device (planning: shapes only, no data to route) every expert gets an
+    equal share of the assignments, up to its capacity."""
+    E, k = c.n_experts, c.top_k
+    per = T * k // E
+    cap = capacity(c, T)
+    kept = min(per, cap) if cap is not None else per
+    counts = torch.full((E,), kept, dtype=torch.long)
+    n = kept * E
+    return Routing(torch.empty(n, dtype=torch.long, device="meta"), torch.empty(n, dtype=probs.dtype, device="meta"),
+                   counts, torch.full((E,), per, dtype=torch.long), T * k - n)
+
+
 def route(logits, c) -> tuple:
     """(probs, Routing) of one token group from its router logits (T, E)."""
     T, E, k = logits.shape[0], c.n_experts, c.top_k
     probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    if logits.is_meta:
+        return probs, _balanced(probs, T, c)
     top, expert = probs.topk(k, dim=-1)  # (T, k)
     gates = top / top.sum(dim=-1, keepdim=True) if c.renormalize_gates else top
     e, g = expert.reshape(-1), gates.reshape(-1)  # assignment a = t·k + j
@@ -125,6 +140,13 @@ def route(logits, c) -> tuple:
         kept = order[rank < cap]
     counts = torch.bincount(e[kept], minlength=E)
     return probs, Routing(kept // k, g[kept], counts, routed, T * k - kept.numel())
+
+
+def _value(x) -> float:
+    """A recorded loss as a float (0 on the meta device, which has no values)."""
+    if not isinstance(x, torch.Tensor):
+        return float(x)
+    return 0.0 if x.is_meta else float(x.detach())
 
 
 class MoE(nn.Module):
@@ -162,8 +184,8 @@ class MoE(nn.Module):
 
     def _record(self, aux, z, routed, dropped) -> None:
         s = self.stats
-        s.aux += float(aux.detach()) if isinstance(aux, torch.Tensor) else aux
-        s.z += float(z.detach()) if isinstance(z, torch.Tensor) else z
+        s.aux += _value(aux)
+        s.z += _value(z)
         r = routed.tolist()
         s.routed = [a + b for a, b in zip(s.routed, r)] if s.routed else r
         s.assignments += int(routed.sum())
@@ -177,10 +199,10 @@ class MoE(nn.Module):
             flat = x.reshape(b * s, d)
             logits = self.router(flat)
             probs, r = route(logits, c)
-            total = r.routed.clone()
+            total = r.routed.clone()  # (on meta: the balanced counts, on the CPU)
             if self.stats_group is not None:
                 self.stats_group.all_reduce(total, label="moe.aux_counts")
-            aux, z = self._losses(logits, probs, total.to(probs.dtype) / total.sum())
+            aux, z = self._losses(logits, probs, (total.to(probs.dtype) / total.sum()).to(probs.device))
             out = self._group(flat, r).reshape(b, s, d)
             self._record(aux * self.aux_scale, z * self.aux_scale, r.routed, r.dropped)
             return _AddAuxLoss.apply(out, (aux + z) * self.aux_scale)
@@ -211,6 +233,6 @@ class MoE(nn.Module):
             rows = torch.tensor(gr.rows[g], device=x.device)
             out[rows.unsqueeze(1), torch.tensor(seq, device=x.device).unsqueeze(0)] = y
             self._record(0, 0, r.routed, r.dropped)
-        self.stats.aux += float(aux_total.detach())
-        self.stats.z += float(z_total.detach())
+        self.stats.aux += _value(aux_total)
+        self.stats.z += _value(z_total)
         return _AddAuxLoss.apply(out, aux_total + z_total)

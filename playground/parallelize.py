@@ -295,7 +295,7 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None) -> Paral
             wrappers.append(w)
         optimizer = ReplicatedAdamW(parts, run)
         autocast = (torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16)
-                    if run.dtype == "bfloat16" else contextlib.nullcontext())
+                    if run.dtype == "bfloat16" and device != "meta" else contextlib.nullcontext())
         hidden_dtype = run.param_dtype
     syncs = [Syncs(w) for w in wrappers]
     if layout.pp > 1:
