@@ -188,7 +188,9 @@ def check_summary(rep, verbose: bool = True) -> str:
     for r in rep.rows:
         if r.what == "dropped":  # tokens the capacity dropped, layout against reference
             if verbose or not r.ok:
-                rows.append([r.what, r.name, f"{r.max_abs:.0f}", "-", "equal", "ok" if r.ok else "FAIL"])
+                judged = rep.tolerance["grad"] is not None
+                rows.append([r.what, r.name, f"{r.max_abs:.0f}", "-", "equal" if judged else "not judged",
+                             "ok" if r.ok else "FAIL"])
             continue
         if verbose or not r.ok or r.what == "loss":
             tol = rep.tolerance[r.what]
