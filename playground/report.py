@@ -203,6 +203,11 @@ def check_summary(rep, verbose: bool = True) -> str:
         lines.append(f"PROBLEM: {p}")
     worst = {w: rep.worst(w) for w in ("loss", "grad", "weight")}
     verdict = "PASS" if rep.passed else "FAIL"
+    unjudged = [w for w in ("grad", "weight") if rep.tolerance.get(w) is None]
+    if unjudged:
+        lines.append(f"(not judged in {run.dtype}: {', '.join({'grad': 'gradients', 'weight': 'weights'}[w] for w in unjudged)}"
+                     + ("; experts route differently near ties than in float64" if run.model.n_experts else "")
+                     + "; prove a layout in float64)")
     lines.append(f"\n{verdict}: worst relative errors: loss {worst['loss'].max_rel:.2e}, "
                  f"gradient {worst['grad'].max_rel:.2e} ({worst['grad'].name}), "
                  f"weight {worst['weight'].max_rel:.2e} ({worst['weight'].name})")
