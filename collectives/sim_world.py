@@ -128,14 +128,17 @@ class SimWorld:
 
     def _time(self, slot: Slot, stream) -> None:
         """Under the mutex, when the last member arrives (so the calls of one group are
-        timed in their program order): the time model says when the call starts and ends.
+        timed in their program order): the time model says when the call starts and ends,
+        from the largest member's message (uneven all-to-alls differ by rank).
         The ledger records the algorithm it chose and, where it is not the ring, its bytes.
         Object collectives are timed as empty messages (their size is known only once
         pickled)."""
         calls = slot.calls
         first = calls[0]
+        # uneven all-to-alls: the call lasts as long as its largest message (every member waits for it)
+        size = max(c.entry.size for c in calls)
         slot.start, slot.end, algorithm, moved = self.time_model.schedule(
-            first.op, first.entry.size, first.group, [(c.rank, c.ready) for c in calls], stream)
+            first.op, size, first.group, [(c.rank, c.ready) for c in calls], stream)
         for c in calls:
             e = c.entry
             e.start, e.end = slot.start, slot.end

@@ -102,18 +102,22 @@ def train_summary(res) -> str:
 
 
 def moe_table(res) -> str:
-    """Per MoE layer, the first and last steps: tokens routed per expert (over every rank,
-    before the capacity), the fraction dropped by the capacity, the auxiliary losses."""
+    """Routing per step (every MoE layer together: tokens routed per expert over every rank
+    before the capacity, the fraction dropped by the capacity, the auxiliary losses summed
+    over the layers), then each layer at the last step."""
     steps = res.moe_steps()
-    rows = []
-    for k in sorted({0, len(steps) - 1}):
-        for index, st in steps[k].items():
-            routed = st["routed"]
-            mean = sum(routed) / len(routed)
-            rows.append([f"step {k + 1}", f"block {index}", f"{min(routed)}", f"{mean:.1f}", f"{max(routed)}",
-                         f"{max(routed) / mean:.2f}" if mean else "-",
-                         f"{100 * st['dropped'] / st['assignments']:.1f}%" if st["assignments"] else "-",
-                         f"{st['aux']:.5f}", f"{st['z']:.5f}"])
+
+    def row(name, layer, layers):
+        routed = [n for st in layers for n in st["routed"]]
+        mean = sum(routed) / len(routed)
+        assignments = sum(st["assignments"] for st in layers)
+        dropped = sum(st["dropped"] for st in layers)
+        return [name, layer, f"{min(routed)}", f"{mean:.1f}", f"{max(routed)}", f"{max(routed) / mean:.2f}" if mean else "-",
+                f"{100 * dropped / assignments:.1f}%" if assignments else "-",
+                f"{sum(st['aux'] for st in layers):.5f}", f"{sum(st['z'] for st in layers):.5f}"]
+    shown = sorted({0, len(steps) - 1, *range(0, len(steps), max(1, len(steps) // 8))})
+    rows = [row(f"step {k + 1}", "all", list(steps[k].values())) for k in shown]
+    rows += [row(f"step {len(steps)}", f"block {index}", [st]) for index, st in steps[-1].items()]
     c = res.run.model
     cf = f"capacity factor {c.capacity_factor:g}" if c.capacity_factor else "dropless"
     return (f"\nexperts: {c.n_experts} per MoE block, top-{c.top_k}, {cf} (tokens routed per expert over every rank "

@@ -213,3 +213,23 @@ def test_a_step_that_does_not_repeat_the_recorded_one_is_refused():
     with pytest.raises(ReplayMismatchError, match="only after one was recorded"):
         from simulator.clock import RankClock
         RankClock().begin_step("replay")
+
+
+def test_an_uneven_all_to_all_lasts_as_long_as_its_largest_message():
+    """Rank 0 sends 1 row to each peer, rank 1 sends 1000: both wait for the larger exchange."""
+    def fn(world):
+        n = 1 if world.rank == 0 else 1000
+        inp = torch.empty(2 * n, 256, device="meta")
+        out = torch.empty(n + (1000 if world.rank == 0 else 1), 256, device="meta")
+        theirs = 1000 if world.rank == 0 else 1
+        world.all_to_all(out, inp, out_splits=[n, theirs] if world.rank == 0 else [theirs, n],
+                         in_splits=[n, n], label="uneven")
+        e = world.timing.clock.breakdown()
+        return e["time"]
+    res = launch(fn, 2, time_model=SimulatedTime(H100))
+    entries = [res.ledger.for_rank(r)[0] for r in range(2)]
+    big = max(e.size for e in entries)
+    cost, _ = collective_cost("all_to_all", big, (0, 1), H100)
+    for e in entries:
+        assert e.end - e.start == pytest.approx(cost)
+    assert res.values[0] == pytest.approx(res.values[1])
