@@ -155,7 +155,7 @@ class GPT(nn.Module):
         """The MoE layers this model (or stage) holds."""
         return [b.mlp for b in self.blocks.values() if isinstance(b.mlp, MoE)]
 
-    def materialize(self, device, seed: int = 0) -> "GPT":
+    def materialize(self, device, seed: int = 0, state_dict: dict | None = None) -> "GPT":
         """Give every parameter storage on `device` and its value: the part its placement
         names of the full reference parameter generated from (seed, name) (Contract 4), so
         any layout's shards are exact slices of the same tensors. Also the RoPE tables.
@@ -167,7 +167,7 @@ class GPT(nn.Module):
             if n in placements:
                 p.placement = placements[n]
         if str(device) != "meta":  # shapes only on meta: nothing to compute
-            init_weights(self, self.config, seed)
+            init_weights(self, self.config, seed, state_dict)
         dtype = next((p.dtype for p in self.parameters()), torch.float32)
         c = self.config
         self.rope_cos, self.rope_sin = rope_tables(c.seq_len, c.head_dim, c.rope_base, dtype, device)

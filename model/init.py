@@ -33,9 +33,11 @@ def init_full_parameter(name: str, shape, config: GPTConfig, seed: int) -> torch
 
 
 @torch.no_grad()
-def init_weights(model, config: GPTConfig, seed: int) -> None:
+def init_weights(model, config: GPTConfig, seed: int, state_dict: dict | None = None) -> None:
     """Fill every parameter of `model` (the reference GPT, possibly pruned or with swapped
-    modules) with its part of the full reference parameter, as its placement says."""
+    modules) with its part of the full reference parameter, as its placement says: generated
+    from (seed, name), or taken from `state_dict` (the reference GPT's, e.g. exported)."""
     for name, p in model.named_parameters():
         pl = placement_of(name, p)
-        p.copy_(pl.local(init_full_parameter(pl.name, pl.shape, config, seed)))
+        full = state_dict[pl.name] if state_dict is not None else init_full_parameter(pl.name, pl.shape, config, seed)
+        p.copy_(pl.local(full))

@@ -157,3 +157,22 @@ def assemble(per_rank: list) -> tuple[dict, list]:
         if not seen.all():
             problems.append(f"{name}: {int((~seen).sum())} of {seen.numel()} elements are held by no rank")
     return full, problems
+
+
+def placement_to_dict(p: Placement) -> dict:
+    """A JSON-able form (checkpoint indexes)."""
+    cuts = [{"shard": [c.dim, c.start, c.stop, c.length]} if isinstance(c, Shard) else {"flat": [c.start, c.stop]}
+            for c in p.cuts]
+    return {"name": p.name, "shape": list(p.shape), "cuts": cuts}
+
+
+def placement_from_dict(d: dict) -> Placement:
+    cuts = tuple(Shard(*c["shard"]) if "shard" in c else Flat(*c["flat"]) for c in d["cuts"])
+    return Placement(d["name"], tuple(d["shape"]), cuts)
+
+
+def covered_range(p: Placement) -> tuple:
+    """(lowest, highest + 1) flat index of the full tensor that the local tensor holds."""
+    idx = p.index()
+    real = idx[idx >= 0]
+    return (int(real.min()), int(real.max()) + 1) if real.numel() else (0, 0)

@@ -105,16 +105,27 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--plots", help="write PNG plots to this folder (train: loss, bytes by label, with --hardware "
                                    "the last step's timeline and memory; check: the errors per tensor)")
     o.add_argument("--json", help="write a machine-readable summary to this file (schema: docs/json.md)")
+    k = common.add_argument_group("checkpoints")
+    k.add_argument("--save", help="save a checkpoint in this folder at the end (and every --save-every steps)")
+    k.add_argument("--save-every", type=int, help="with --save: also every K steps")
+    k.add_argument("--overwrite", action="store_true", help="with --save: replace a checkpoint already there")
+    k.add_argument("--resume", help="continue from the checkpoint in this folder, in this run's layout (any)")
+    k.add_argument("--init-from", help="start from a state_dict file of the reference GPT (playground export)")
 
     p = argparse.ArgumentParser(prog="playground", formatter_class=_Help,
                                 description="Distributed training on simulated ranks: every byte counted, every "
                                             "layout checked against one device.")
     p.add_argument("--version", action="version", version=f"playground {_version()}")
-    sub = p.add_subparsers(dest="verb", required=True, metavar="{train,check,bench}")
+    sub = p.add_subparsers(dest="verb", required=True, metavar="{train,check,export,bench}")
     sub.add_parser("train", parents=[common], formatter_class=_Help,
                    help="train and report loss, throughput, bytes per rank, simulated time and memory")
     sub.add_parser("check", parents=[common], formatter_class=_Help,
                    help="prove a layout computes what one device computes (exit status 0 only if it does)")
+    e = sub.add_parser("export", formatter_class=_Help,
+                       help="write a checkpoint's weights as the reference GPT's plain state_dict")
+    e.add_argument("directory", help="the checkpoint folder")
+    e.add_argument("file", help="the state_dict file to write (torch.save; GPT.load_state_dict takes it)")
+    e.add_argument("--overwrite", action="store_true", help="replace the file if it exists")
     b = sub.add_parser("bench", formatter_class=_Help, help="run a benchmark by name; without a name, list them")
     b.add_argument("name", nargs="?", help="the benchmark (see the list: playground bench)")
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark script")
@@ -203,14 +214,75 @@ def run_config(args, default_steps: int):
     if args.trace and not args.hardware:
         raise ValueError("--trace needs --hardware: without a profile there is no simulated time to draw")
     make_source(args.data, cfg.vocab_size, args.seed, cfg.seq_len)  # a bad data file fails here
+    _check_checkpoints(args, cfg)
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.model]
     run = RunConfig(model=cfg, layout=layout, steps=args.steps or default_steps, lr=lr, dtype=args.dtype,
                     reduce_dtype=args.reduce_dtype, seed=args.seed, data=args.data, bucket_cap_mb=args.bucket_mb,
                     backend=args.backend, progress=not args.no_progress, hardware=args.hardware,
-                    count_every_step=args.count_every_step)
+                    count_every_step=args.count_every_step, save=args.save, save_every=args.save_every,
+                    resume=args.resume, init_from=args.init_from)
     if run.backend == "sim":
         check_simulated_memory(run)
     return run
+
+
+def _check_checkpoints(args, cfg) -> None:
+    """--resume, --save and --init-from, checked before any rank starts."""
+    from .checkpoint import CheckpointError, has_checkpoint, read_index
+    if args.resume:
+        read_index(args.resume, cfg)
+    if args.save:
+        if os.path.exists(args.save) and not os.path.isdir(args.save):
+            raise CheckpointError(f"--save {args.save}: exists and is not a folder")
+        same = args.resume and os.path.abspath(args.resume) == os.path.abspath(args.save)
+        if has_checkpoint(args.save) and not args.overwrite and not same:
+            step = read_index(args.save)["step"]
+            raise CheckpointError(f"--save {args.save}: holds a checkpoint (step {step}); add --overwrite to replace "
+                                  f"it, or choose another folder")
+    if args.init_from:
+        _check_state_dict(args.init_from, cfg)
+
+
+def _check_state_dict(path: str, cfg) -> None:
+    import torch
+
+    from model import GPT
+    from .checkpoint import CheckpointError
+    if not os.path.exists(path):
+        raise CheckpointError(f"--init-from {path}: no such file")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is one message
+        raise CheckpointError(f"--init-from {path}: not a state_dict torch can load without pickle "
+                              f"({type(e).__name__})") from None
+    want = {n: tuple(p.shape) for n, p in GPT(cfg, device="meta").named_parameters()}
+    if not isinstance(state, dict):
+        raise CheckpointError(f"--init-from {path}: holds a {type(state).__name__}, not a state_dict")
+    missing = sorted(set(want) - set(state))
+    if missing:
+        raise CheckpointError(f"--init-from {path}: lacks {len(missing)} parameters of this model, e.g. {missing[0]}")
+    wrong = [f"{n} {tuple(state[n].shape)} != {s}" for n, s in want.items() if tuple(state[n].shape) != s]
+    if wrong:
+        raise CheckpointError(f"--init-from {path}: a state_dict of another model ({wrong[0]})")
+
+
+def _export(args) -> int:
+    import torch
+
+    from .checkpoint import CheckpointError, export
+    try:
+        if os.path.exists(args.file) and not args.overwrite:
+            raise CheckpointError(f"{args.file}: exists; add --overwrite to replace it")
+        state = export(args.directory)
+    except CheckpointError as e:
+        print(f"playground export: {e}", file=sys.stderr)
+        return 2
+    tmp = args.file + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, args.file)
+    n = sum(t.numel() for t in state.values())
+    print(f"playground export: {args.file}: {len(state)} tensors, {n:,} parameters (the reference GPT's state_dict)")
+    return 0
 
 
 def _is_rank0(backend: str) -> bool:
@@ -243,12 +315,17 @@ def main(argv=None) -> int:
 def _main(args) -> int:
     if args.verb == "bench":
         return _bench(args)
+    if args.verb == "export":
+        return _export(args)
     from collectives import CollectiveError, RankFailedError
     from model.data import DataError
 
     from .layout import LayoutError
     try:
         run = run_config(args, default_steps=20 if args.verb == "train" else 3)
+        if args.verb == "check" and (args.save or args.resume):
+            raise ValueError("check compares training from the start against one device: --save and --resume "
+                             "belong to train")
     except (LayoutError, DataError, ValueError, FileNotFoundError) as e:  # includes an unknown --hardware
         print(f"playground {args.verb}: {e}", file=sys.stderr)
         return 2

@@ -127,6 +127,30 @@ class ReplicatedAdamW:
         states = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         return {"parameters": params, "gradients": [p.grad for p in params], "optimizer": states}
 
+    def state_pieces(self) -> list:
+        """[(kind, Placement, tensor)]: the weights ("param") and AdamW's moments of every
+        local parameter (a checkpoint's content)."""
+        out = []
+        for m in self.parts:
+            for name, p in m.named_parameters():
+                pl = placement_of(name, p)
+                out.append(("param", pl, p.detach()))
+                state = self.optimizer.state.get(p, {})
+                out += [(kind, pl, state[kind]) for kind in ("exp_avg", "exp_avg_sq") if kind in state]
+        return out
+
+    @torch.no_grad()
+    def load_state(self, fill, step: int) -> None:
+        for m in self.parts:
+            for name, p in m.named_parameters():
+                pl = placement_of(name, p)
+                p.copy_(fill("param", pl))
+                if step:
+                    state = self.optimizer.state[p]
+                    state["step"] = torch.tensor(float(step))
+                    for kind in ("exp_avg", "exp_avg_sq"):
+                        state[kind] = fill(kind, pl).to(p.dtype).to(p.device).clone()
+
 
 class ShardedOptimizer:
     """ZeRO: each part's engine updates the shards it owns."""
@@ -147,6 +171,17 @@ class ShardedOptimizer:
             for k, v in e.state_tensors().items():
                 out[k] += v
         return out
+
+    def state_pieces(self) -> list:
+        return [x for e in self.engines for x in e.state_pieces()]
+
+    def load_state(self, fill, step: int) -> None:
+        for e in self.engines:
+            e.load_state(fill, step)
+
+    @property
+    def scalers(self) -> list:
+        return [e.scaler for e in self.engines if e.scaler is not None]
 
 
 @dataclass
@@ -205,6 +240,14 @@ class ParallelModel:
     def state_tensors(self) -> dict:
         return self.optimizer.state_tensors()
 
+    def state_pieces(self) -> list:
+        """[(kind, Placement, tensor)] this rank holds: weights and optimizer moments (checkpoints)."""
+        return self.optimizer.state_pieces()
+
+    def load_state(self, fill, step: int) -> None:
+        """Set every local weight and moment from `fill(kind, placement)`; AdamW's step count."""
+        self.optimizer.load_state(fill, step)
+
 
 def _uses_zero(run) -> bool:
     return bool(run.layout.zero) or run.dtype == "float16"
@@ -223,10 +266,11 @@ def data_parallel_group(mesh, layout):
     return mesh.group("dp", "cp") if layout.cp > 1 else mesh.group("dp")
 
 
-def parallelize(model, mesh, run, device, memory=None, unit_costs=None) -> ParallelModel:
+def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_dict=None) -> ParallelModel:
     """Apply `run.layout` to `model` (the reference GPT on the meta device) on this rank of
     `mesh`; `memory` (a MemoryTracker) is told of communication buffers; `unit_costs`
-    charges fixed pipeline stage costs on the simulated clock (bubble measurements)."""
+    charges fixed pipeline stage costs on the simulated clock (bubble measurements);
+    `state_dict` (the reference GPT's) gives the initial weights instead of (seed, name)."""
     layout, cfg = run.layout, run.model
     dp, tp = data_parallel_group(mesh, layout), mesh.group("tp")
     # 1. the pipeline split
@@ -258,7 +302,7 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None) -> Paral
             layer.stats_group = tokens if tokens.size > 1 else None  # f_i counted over the microbatch's ranks
     # (5-6: activation checkpointing, compile plug in here)
     for part in parts:
-        part.materialize(device, run.seed)
+        part.materialize(device, run.seed, state_dict)
     # 7. data parallelism on each part
     zero = _uses_zero(run)
     label = (lambda s, name: f"{name}.stage{s}") if layout.pp > 1 else (lambda s, name: name)

@@ -67,7 +67,7 @@ def train_summary(res) -> str:
     lines = [
         f"\nplayground train: {run.layout.describe()}, model {cfg.n_params():,} parameters "
         f"(d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads), backend {run.backend}, {run.dtype}",
-        f"data: {res.data}",
+        f"data: {res.data}" + (f"; resumed from {run.resume} after step {res.start}" if run.resume else ""),
         f"global batch: {run.layout.global_batch} sequences × {cfg.seq_len} tokens = {run.tokens_per_step:,} tokens/step "
         f"(dp {run.layout.dp} × {run.layout.microbatches} microbatches × {run.layout.micro_batch_size} sequences)",
         "",
@@ -76,7 +76,7 @@ def train_summary(res) -> str:
     rows = []
     for i in shown:
         gap = f"{res.losses[i] - res.loss_floor:+.4f}" if res.loss_floor is not None else "-"
-        rows.append([i + 1, f"{res.losses[i]:.4f}", gap])
+        rows.append([res.start + i + 1, f"{res.losses[i]:.4f}", gap])
     lines.append(table(["step", "loss", "above floor"], rows, left=0))
     final = res.losses[-1]
     if res.loss_floor is not None:

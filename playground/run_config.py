@@ -40,7 +40,11 @@ class RunConfig:
     # with hardware: count every op of every step; otherwise step 0 is counted, step 1
     # recorded, and later steps replay its compute (simulator/clock.py)
     count_every_step: bool = False
-
+    # checkpoints (playground/checkpoint.py)
+    save: str | None = None  # a folder: save there every `save_every` steps and at the end
+    save_every: int | None = None
+    resume: str | None = None  # a checkpoint folder to continue from (any layout)
+    init_from: str | None = None  # a state_dict file of the reference GPT to start from
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(DTYPES)}")
@@ -53,6 +57,10 @@ class RunConfig:
         if self.dtype == "float16" and self.layout.pp > 1:
             raise ValueError(f"--dtype float16 with pp={self.layout.pp}: dynamic loss scaling is not applied across "
                              f"pipeline stages (each stage would decide to skip a step alone); use bfloat16")
+        if self.save_every is not None and self.save_every < 1:
+            raise ValueError(f"--save-every {self.save_every}: must be at least 1")
+        if self.save_every is not None and not self.save:
+            raise ValueError("--save-every needs --save DIR")
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.hardware is not None and self.backend != "sim":

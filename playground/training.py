@@ -24,6 +24,7 @@ from model.data import make_source
 
 from model import GPT
 
+from . import checkpoint
 from .parallelize import data_parallel_group, parallelize
 from .run_config import RunConfig
 
@@ -58,11 +59,14 @@ def _progress_bar(steps: int):
     return tqdm(total=steps, desc="train", unit="step", dynamic_ncols=True)
 
 
-def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dict:
+def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=None, grads_at=None) -> dict:
     """One rank's program. With `collect`, also returns the pieces of the gradients after
     the first backward and of the weights after the last step (for the equivalence check).
     `source`: the data source, built once by the driver and shared (read only) by the
-    simulated ranks; built here when None (gloo and torch processes)."""
+    simulated ranks; built here when None (gloo and torch processes). `init`: the reference
+    GPT's state_dict to start from (--init-from). With `run.resume` the steps continue from
+    the checkpoint's (any layout); with `run.save` checkpoints are written. `grads_at`: the
+    step whose gradients `collect` returns (default: the first this run takes)."""
     layout, cfg = run.layout, run.model
     mesh = Mesh(world, **layout.mesh_axes())
     dp = mesh.group("dp")
@@ -73,16 +77,19 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
     memory = MemoryTracker()
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    model = parallelize(GPT(cfg, dtype=run.param_dtype, device="meta"), mesh, run, device, memory)
+    if init is None and run.init_from:
+        init = torch.load(run.init_from, map_location="cpu", weights_only=True)
+    model = parallelize(GPT(cfg, dtype=run.param_dtype, device="meta"), mesh, run, device, memory, state_dict=init)
+    start = checkpoint.load(model, run.resume, checkpoint.read_index(run.resume, cfg)) if run.resume else 0
     source = source or make_source(run.data, cfg.vocab_size, run.seed)
     rows = layout.global_batch // layout.dp
-    out = {"losses": [], "step_times": [], "sim_steps": [], "memory": None, "moe": []}
+    out = {"losses": [], "step_times": [], "sim_steps": [], "memory": None, "moe": [], "start": start}
     timing = world.timing if run.hardware else None  # the simulator's clock and compute model
     clock = timing.clock if timing else None
     bar = _progress_bar(run.steps) if run.progress and world.rank == 0 else None
-    for step in range(run.steps):
+    for i, step in enumerate(range(start, start + run.steps)):  # (the data is a function of the step)
         t0 = time.perf_counter()
-        replay = None if run.count_every_step else ("record" if step == 1 else "replay" if step > 1 else None)
+        replay = None if run.count_every_step else ("record" if i == 1 else "replay" if i > 1 else None)
         counted = timing.compute_model.step(replay) if timing else contextlib.nullcontext()
         with counted:  # op counting: on, recorded, or replayed with counting off
             sim0 = clock.breakdown() if clock else None
@@ -92,7 +99,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
             track = (lambda: memory.track_activations(exclude=model.params)) if run.hardware and replay != "replay" \
                 else contextlib.nullcontext  # a replayed step's activations are the recorded one's
             total = model.run_step(micro, track)
-            if collect and step == 0:
+            if collect and step == (start if grads_at is None else grads_at):
                 out["grads"] = model.pieces("grad")
             model.step()
             if cfg.n_experts:  # this rank's routing statistics of the step, per MoE layer it holds
@@ -104,6 +111,8 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None) -> dic
                 out["sim_steps"].append({k: sim1[k] - sim0[k] for k in sim1})
             out["losses"].append(total.item())
         out["step_times"].append(time.perf_counter() - t0)
+        if run.save and ((i + 1) % (run.save_every or run.steps) == 0 or i == run.steps - 1):
+            checkpoint.save(world, model, run.save, step + 1, checkpoint.metadata(run, model))
         if bar is not None:
             bar.set_postfix(loss=f"{out['losses'][-1]:.4f}", tok_s=f"{run.tokens_per_step / out['step_times'][-1]:,.0f}")
             bar.update()
@@ -153,13 +162,18 @@ class TrainResult:
         return out
 
     @property
+    def start(self) -> int:
+        """The step this run began at (after a checkpoint's, with --resume)."""
+        return self.values[0].get("start", 0)
+
+    @property
     def tokens_per_s(self) -> float:
         """Global tokens per second of wall time, median step."""
         ts = sorted(self.step_times)
         return self.run.tokens_per_step / ts[len(ts) // 2]
 
 
-def train(run: RunConfig, collect: bool = False) -> TrainResult:
+def train(run: RunConfig, collect: bool = False, grads_at: int | None = None) -> TrainResult:
     run.layout.validate(run.model)
     if run.hardware and run.model.n_experts and not run.count_every_step:
         # token counts change from step to step: a recorded step's compute cannot be replayed
@@ -167,14 +181,17 @@ def train(run: RunConfig, collect: bool = False) -> TrainResult:
               "(no replay of step 2)", file=sys.stderr)
         run = replace(run, count_every_step=True)
     source = make_source(run.data, run.model.vocab_size, run.seed)
+    init = torch.load(run.init_from, map_location="cpu", weights_only=True) if run.init_from and run.backend == "sim" \
+        else None  # (processes load it themselves)
     t0 = time.perf_counter()
     if run.backend == "torch":  # this process is one rank: it uses the source it just built
-        res = launch(train_rank, run.layout.world, backend="torch", args=(run, collect, source))
+        res = launch(train_rank, run.layout.world, backend="torch", args=(run, collect, source, None, grads_at))
     else:
         shared = SharedBatches(source) if run.backend == "sim" else None  # processes build their own
         extra = {"max_running": run.max_running or 2 * (os.cpu_count() or 1),
                  "time_model": SimulatedTime(run.hardware) if run.hardware else None} if run.backend == "sim" else {}
-        res = launch(train_rank, run.layout.world, backend=run.backend, args=(run, collect, shared), **extra)
+        res = launch(train_rank, run.layout.world, backend=run.backend, args=(run, collect, shared, init, grads_at),
+                     **extra)
     wall = time.perf_counter() - t0
     return TrainResult(run, res.values[0]["losses"], res.values[0]["step_times"], wall, res.ledger,
                        source.loss_floor, source.describe(), res.values,

@@ -310,6 +310,44 @@ class ZeroDataParallel(nn.Module):
                 out.append((pl, src[loc:loc + n].clone()))
         return out
 
+    def state_pieces(self) -> list:
+        """[(kind, Placement, tensor)] of everything a checkpoint keeps of this engine: the
+        master weights ("param") and AdamW's moments ("exp_avg", "exp_avg_sq") of every
+        parameter part in this rank's shard (views, not copies)."""
+        out = []
+        for u in self.units:
+            state = self.optimizer.state.get(u.master, {})
+            for pl, loc in u.owned():
+                n = pl.local_shape[0]
+                out.append(("param", pl, u.master[loc:loc + n]))
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    if kind in state:
+                        out.append((kind, pl, state[kind][loc:loc + n]))
+        return out
+
+    @torch.no_grad()
+    def load_state(self, fill, step: int) -> None:
+        """Set the shards from a checkpoint: `fill(kind, placement)` gives the values of a
+        piece; `step` is AdamW's step count. The compute copies follow the master weights."""
+        for u in self.units:
+            state = self.optimizer.state[u.master]
+            if step:
+                state["step"] = torch.tensor(float(step))
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    state.setdefault(kind, torch.zeros_like(u.master, memory_format=torch.preserve_format))
+            for pl, loc in u.owned():
+                n = pl.local_shape[0]
+                u.master[loc:loc + n].copy_(fill("param", pl))
+                if step:
+                    for kind in ("exp_avg", "exp_avg_sq"):
+                        state[kind][loc:loc + n].copy_(fill(kind, pl))
+            if self.stage == 3:
+                if u.param_shard is not u.master:
+                    u.param_shard.copy_(u.master)
+            else:  # the whole compute copy, from the checkpoint (no collective needed)
+                for i, pl in enumerate(u.placements):
+                    u.view_of(u.flat, i).copy_(fill("param", pl))
+
     def state_tensors(self) -> dict:
         """The tensors this rank holds now, by category: parameters (compute copies: full
         flat buffers at stages 0-2, the rank's shard at stage 3, plus any unit gathered
