@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from model.config import GPTConfig
-from model.placement import Placement, placement_from_dict, placement_to_dict
+from model.placement import Flat, Placement, Shard, placement_from_dict, placement_to_dict
 
 FORMAT, VERSION = "playground-checkpoint", 1
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -158,16 +158,56 @@ def read_index(directory: str, model: GPTConfig | None = None) -> dict:
     return index
 
 
+def _bounds(pl: Placement) -> tuple:
+    """(lo, hi): a flat-index range of the full tensor holding every element the piece
+    holds (exact for the common placements, computed without an index map)."""
+    numel = int(torch.Size(pl.shape).numel())
+    inner = numel // pl.shape[0] if pl.shape and pl.shape[0] else 1
+    cuts = pl.cuts
+    if not cuts:
+        return 0, numel
+    if len(cuts) == 1 and isinstance(cuts[0], Flat):
+        return cuts[0].start, cuts[0].stop
+    if isinstance(cuts[0], Shard) and cuts[0].dim == 0:
+        s = cuts[0]
+        lo, real = s.start * inner, (s.stop - s.start) * inner
+        if len(cuts) == 1:
+            return lo, lo + real
+        if len(cuts) == 2 and isinstance(cuts[1], Flat):
+            a, b = cuts[1].start, min(cuts[1].stop, real)
+            return (lo + a, lo + b) if a < b else (0, 0)
+    return 0, numel  # (conservative)
+
+
+def _paste(full: torch.Tensor, pl: Placement, t: torch.Tensor) -> None:
+    """Write the local tensor t of placement pl into the full tensor."""
+    cuts = pl.cuts
+    if not cuts:
+        full.copy_(t)
+    elif len(cuts) == 1 and isinstance(cuts[0], Flat):
+        full.view(-1)[cuts[0].start:cuts[0].stop] = t.reshape(-1)
+    elif len(cuts) == 1:
+        s = cuts[0]
+        full.narrow(s.dim, s.start, s.stop - s.start).copy_(t.narrow(s.dim, 0, s.stop - s.start))
+    else:  # compositions: through the index map
+        idx = pl.index().reshape(-1)
+        mask = idx >= 0
+        full.view(-1)[idx[mask]] = t.reshape(-1)[mask]
+
+
 class Reader:
     """Assembles tensors of the reference from a checkpoint's pieces, reading each piece only
-    when it overlaps what is asked."""
+    when it overlaps what is asked; a piece saved with exactly the asked placement is read
+    as it is (resuming on the same layout)."""
 
     def __init__(self, directory: str, index: dict):
         self.folder = os.path.join(directory, index["data"])
         self.by_name: dict = {}
+        self.exact: dict = {}
         for p in index["pieces"]:
             pl = placement_from_dict(p["placement"])
             self.by_name.setdefault((p["kind"], pl.name), []).append((pl, p))
+            self.exact[(p["kind"], pl)] = p
         self._cache: dict = {}
 
     def _read(self, p) -> torch.Tensor:
@@ -187,26 +227,24 @@ class Reader:
             raise CheckpointError(f"{self.folder}: no {kind} of {name} in the checkpoint")
         full = None
         for pl, p in saved:
-            idx = pl.index().reshape(-1)
-            real = idx[idx >= 0]
-            if not real.numel() or real.max() < lo or real.min() >= hi:
+            a, b = _bounds(pl)
+            if b <= lo or a >= hi or a >= b:
                 continue  # no overlap: not read
-            t = self._read(p).reshape(-1)
+            t = self._read(p)
             if full is None:
-                full = torch.zeros(pl.shape, dtype=t.dtype).view(-1)
-            mask = idx >= 0
-            full[idx[mask]] = t[mask]
+                full = torch.zeros(pl.shape, dtype=t.dtype)
+            _paste(full, pl, t)
         if full is None:
             raise CheckpointError(f"{self.folder}: no piece of {kind} {name} covers elements [{lo}, {hi})")
-        full = full.view(saved[0][0].shape)
         self._cache = {key: (lo, hi, full)}  # one full tensor at a time
         return full
 
     def fill(self, kind: str, pl: Placement) -> torch.Tensor:
         """The local tensor of `pl` (padding zero)."""
-        idx = pl.index().reshape(-1)
-        real = idx[idx >= 0]
-        lo, hi = (int(real.min()), int(real.max()) + 1) if real.numel() else (0, 0)
+        p = self.exact.get((kind, pl))
+        if p is not None:
+            return self._read(p)
+        lo, hi = _bounds(pl)
         return pl.local(self.full(kind, pl.name, lo, hi))
 
 
