@@ -10,6 +10,7 @@ class GPTConfig:
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
+    n_kv_heads: int = 0  # key/value heads (grouped-query attention, Ainslie et al. 2023); 0: n_heads
     d_ff: int = 0  # SwiGLU hidden width; 0: 8/3·d_model rounded up to a multiple of 16
     seq_len: int = 128
     rope_base: float = 10000.0
@@ -27,6 +28,11 @@ class GPTConfig:
     def __post_init__(self):
         if self.d_ff == 0:
             object.__setattr__(self, "d_ff", -(-8 * self.d_model // 3 // 16) * 16)
+        if self.n_kv_heads == 0:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads} (each key/value "
+                             f"head serves a group of query heads)")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
         if self.moe_every < 1 or self.capacity_factor < 0:
@@ -39,6 +45,11 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """The width of the key and value projections."""
+        return self.n_kv_heads * self.head_dim
 
     def is_moe(self, layer: int) -> bool:
         """Whether block `layer` has experts instead of the dense SwiGLU MLP."""
@@ -61,7 +72,8 @@ class GPTConfig:
         d, f, V, L, E = self.d_model, self.d_ff, self.vocab_size, self.n_layers, self.n_experts
         moe = self.n_moe_layers
         mlp = (L - moe) * 3 * d * f + moe * (E * d + E * 3 * d * f)  # an MoE block: router and E experts
-        return V * d + L * (2 * d + 4 * d * d) + mlp + d + d * V
+        attn = 2 * d * d + 2 * d * self.kv_dim  # q and o; k and v (narrower with grouped-query attention)
+        return V * d + L * (2 * d + attn) + mlp + d + d * V
 
     def flops_per_token(self, training: bool = True) -> int:
         """Matmul FLOPs per token (PaLM appendix B): 2 per multiply-add of every weight
@@ -71,7 +83,7 @@ class GPTConfig:
         d, f, V, L, s = self.d_model, self.d_ff, self.vocab_size, self.n_layers, self.seq_len
         moe = self.n_moe_layers  # a token meets the router and its top_k experts
         mlp = (L - moe) * 3 * d * f + moe * (self.n_experts * d + self.top_k * 3 * d * f)
-        forward = 2 * (L * 4 * d * d + mlp + d * V) + L * 4 * s * d
+        forward = 2 * (L * (2 * d * d + 2 * d * self.kv_dim) + mlp + d * V) + L * 4 * s * d
         return 3 * forward if training else forward
 
 
@@ -84,6 +96,12 @@ PRESETS = {
     "125m": GPTConfig(vocab_size=50304, d_model=768, n_layers=12, n_heads=12, seq_len=1024),
     "350m": GPTConfig(vocab_size=50304, d_model=1024, n_layers=24, n_heads=16, seq_len=1024),
     "1b": GPTConfig(vocab_size=50304, d_model=2048, n_layers=16, n_heads=32, seq_len=2048),
+    # Llama-style shapes, for planning (grouped-query attention in 70b; Touvron et al. 2023, Llama 2;
+    # the Llama 3 herd's 128256-token vocabulary for 70b)
+    "7b": GPTConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, d_ff=11008, seq_len=4096),
+    "13b": GPTConfig(vocab_size=32000, d_model=5120, n_layers=40, n_heads=40, d_ff=13824, seq_len=4096),
+    "70b": GPTConfig(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672,
+                     seq_len=4096),
     # mixture of experts: every block has experts (top-2 of E)
     "tiny-moe": GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, seq_len=32, n_experts=4, top_k=2),
     "small-moe": GPTConfig(vocab_size=256, d_model=128, n_layers=4, n_heads=4, seq_len=128, n_experts=8, top_k=2),
@@ -96,7 +114,7 @@ PRESETS = {
 # AdamW peak learning rate per preset: GPT-3's values for its 125M, 350M and 1.3B models
 # (Brown et al. 2020, table 2.1); the tiny CPU models learn fastest at 3e-3.
 DEFAULT_LR = {"tiny": 3e-3, "small": 3e-3, "125m": 6e-4, "350m": 3e-4, "1b": 2e-4,
-              "tiny-moe": 3e-3, "small-moe": 3e-3, "1b-moe": 3e-4}
+              "tiny-moe": 3e-3, "small-moe": 3e-3, "1b-moe": 3e-4, "7b": 3e-4, "13b": 3e-4, "70b": 1.5e-4}
 
 
 def preset(name: str, **overrides) -> GPTConfig:

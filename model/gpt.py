@@ -47,11 +47,20 @@ def apply_rope(x, cos, sin):
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
+def expand_kv(k, n_heads: int):
+    """Grouped-query attention: each key/value head serves n_heads / kv_heads query heads
+    (adjacent ones), so it is repeated that many times along the head dimension."""
+    groups = n_heads // k.shape[1]
+    return k if groups == 1 else k.repeat_interleave(groups, dim=1)
+
+
 def causal_attention(q, k, v):
-    """Causal scaled dot-product attention over (batch, heads, seq, head_dim). On the meta
+    """Causal scaled dot-product attention over (batch, heads, seq, head_dim), k and v
+    with the same heads as q or fewer (grouped-query attention). On the meta
     device (planning, shapes only) the fused kernel is named explicitly: meta tensors would
     otherwise take the math fallback, which keeps the seq² probabilities for backward, where
     every real run uses a flash kernel that keeps the log-sum-exp."""
+    k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     if q.is_meta:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -71,13 +80,14 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim = c.n_heads, c.head_dim
         self.wq = nn.Linear(c.d_model, c.d_model, bias=False)
-        self.wk = nn.Linear(c.d_model, c.d_model, bias=False)
-        self.wv = nn.Linear(c.d_model, c.d_model, bias=False)
+        self.wk = nn.Linear(c.d_model, c.kv_dim, bias=False)
+        self.wv = nn.Linear(c.d_model, c.kv_dim, bias=False)
         self.wo = nn.Linear(c.d_model, c.d_model, bias=False)
         self.core = CausalAttention()
 
     def forward(self, x, cos, sin):
-        """cos, sin: the rotary tables of the positions of x's tokens (the first s rows)."""
+        """cos, sin: the rotary tables of the positions of x's tokens (the first s rows). The
+        core gets k and v with their own (kv) heads: it expands them to the query heads."""
         b, s, _ = x.shape
         q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         q, k = apply_rope(q, cos[:s], sin[:s]), apply_rope(k, cos[:s], sin[:s])

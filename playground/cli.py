@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False, formatter_class=_Help)
     g = common.add_argument_group("model and layout")
     g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model preset")
+    g.add_argument("--model-config", help="override the preset's shape: key=value,... over d_model, n_layers, n_heads, "
+                                          "n_kv_heads, d_ff, vocab_size, seq_len (and the MoE fields)")
     g.add_argument("--world", type=int, help="number of ranks (default: the product of the axes; under torchrun "
                                              "its process count)")
     for axis, what in (("dp", "data-parallel"), ("tp", "tensor-parallel (Megatron)"), ("pp", "pipeline-parallel"),
@@ -161,6 +163,28 @@ def _bench(args) -> int:
     return 0
 
 
+def _model_config(text) -> dict:
+    """--model-config d_model=512,n_layers=8 -> typed overrides of GPTConfig's fields."""
+    from dataclasses import fields
+
+    from model.config import GPTConfig
+    if not text:
+        return {}
+    types = {f.name: f.type for f in fields(GPTConfig)}
+    out = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key not in types or not value:
+            raise ValueError(f"--model-config {item!r}: give key=value with a key among {sorted(types)}")
+        kind = {"int": int, "float": float, "bool": lambda v: v.lower() in ("1", "true", "yes")}[str(types[key])]
+        try:
+            out[key] = kind(value)
+        except ValueError:
+            raise ValueError(f"--model-config {key}={value}: not a {types[key]}") from None
+    return out
+
+
 def _stage_layers(text):
     from .layout import LayoutError
     if text is None:
@@ -201,6 +225,7 @@ def run_config(args, default_steps: int):
                  if v is not None}
     if args.dropless:
         overrides["capacity_factor"] = 0.0
+    overrides.update(_model_config(args.model_config))
     cfg = preset(args.model, **overrides)
     layout.validate(cfg)
     if args.hardware:

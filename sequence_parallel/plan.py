@@ -26,8 +26,9 @@ def parallelize_context(model, group, impl: str = "ring", balance: str = "zigzag
     if impl == "ulysses" and balance != "contiguous":
         gathered = torch.tensor([p for r in range(cp) for p in positions(seq, cp, r, balance)])
     for i, block in model.blocks.items():
-        if impl == "ulysses" and block.attn.n_heads % cp:
-            raise ValueError(f"Ulysses: block {i} holds {block.attn.n_heads} heads on this rank, not divisible "
+        kv_heads = block.attn.wk.weight.shape[0] // block.attn.head_dim  # on this rank
+        if impl == "ulysses" and kv_heads % cp:
+            raise ValueError(f"Ulysses: block {i} holds {kv_heads} key/value heads on this rank, not divisible "
                              f"by cp={cp}")
         block.attn.core = RingAttention(group, balance) if impl == "ring" else UlyssesAttention(group, gathered)
     return model

@@ -24,8 +24,9 @@ returning them to their owner.
 
 Ledger per rank, layer and microbatch: forward cp − 1 sends of K/V (`cp.ring.kv`,
 2·b·(s/cp)·h·e bytes each); backward cp − 1 sends of K/V (`cp.ring.kv_bwd`) and cp of
-dK/dV in float32 (`cp.ring.dkv`, 2·b·(s/cp)·h·4 bytes each); h is the local hidden size
-(heads on this rank × head dim).
+dK/dV in float32 (`cp.ring.dkv`, 2·b·(s/cp)·h·4 bytes each); h is the local key/value
+width (key/value heads on this rank × head dim: with grouped-query attention the ring
+carries only those, each block expanding them to the query heads).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from torch import nn
 
 from collectives import P2POp
 from collectives.timing import fused_kernel
+from model.gpt import expand_kv
 
 from .balance import chunks_of
 
@@ -84,6 +86,12 @@ def _flash_block_backward(dout, q, k, v, out, lse, aux, causal: bool, scale: flo
     dout, q, k, v, out, lse = (t.contiguous() for t in (dout, q, k, v, out, lse))
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
         dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)[:3]
+
+
+def _fold_kv(g, kv_heads: int):
+    """The gradient of expand_kv: each key/value head gets the sum over its group of query heads."""
+    b, h, c, d = g.shape
+    return g if h == kv_heads else g.reshape(b, kv_heads, h // kv_heads, c, d).sum(2)
 
 
 def _io(*tensors) -> int:
@@ -139,11 +147,12 @@ def _ring_forward(q, k, v, group, balance: str):
         ks, vs = kv[0].split(c, dim=2), kv[1].split(c, dim=2)
         for qi, ki, causal in _pairs(r, (r - step) % n, n, balance):
             with fused_kernel(group, _io(qs[qi], ks[ki], vs[ki], out[qi], lse[qi])):  # one FlashAttention call
+                kb, vb = expand_kv(ks[ki], q.shape[1]), expand_kv(vs[ki], q.shape[1])  # (grouped-query attention)
                 if flash:
-                    o, lse_b, aux = _flash_block(qn[qi], ks[ki], vs[ki], causal, scale)
+                    o, lse_b, aux = _flash_block(qn[qi], kb, vb, causal, scale)
                     o = o.to(acc)
                 else:
-                    o, lse_b = block_attention(qs[qi], ks[ki].to(acc), vs[ki].to(acc), causal, scale)
+                    o, lse_b = block_attention(qs[qi], kb.to(acc), vb.to(acc), causal, scale)
                 out[qi], lse[qi] = merge(out[qi], lse[qi], o, lse_b)
         for w in works:
             w.wait()
@@ -188,20 +197,21 @@ class _RingAttention(torch.autograd.Function):
             ks, vs = kv[0].split(c, dim=2), kv[1].split(c, dim=2)
             dks, dvs = dkv[0].split(c, dim=2), dkv[1].split(c, dim=2)
             for qi, ki, causal in _pairs(r, (r - step) % n, n, balance):
+                H, kvh = q.shape[1], k.shape[1]
                 if flash:
-                    dqb, dkb, dvb = _flash_block_backward(dons[qi], qn[qi], ks[ki], vs[ki], outs[qi], lses[qi],
-                                                          ctx.flash_aux, causal, scale)
+                    dqb, dkb, dvb = _flash_block_backward(dons[qi], qn[qi], expand_kv(ks[ki], H), expand_kv(vs[ki], H),
+                                                          outs[qi], lses[qi], ctx.flash_aux, causal, scale)
                     dq[qi].add_(dqb)
-                    dks[ki].add_(dkb)
-                    dvs[ki].add_(dvb)
+                    dks[ki].add_(_fold_kv(dkb.to(acc), kvh))
+                    dvs[ki].add_(_fold_kv(dvb.to(acc), kvh))
                     continue
                 with fused_kernel(group, _io(qs[qi], ks[ki], vs[ki], dos[qi], lses[qi], dq[qi], dks[ki], dvs[ki])):
-                    kb, vb = ks[ki].to(acc), vs[ki].to(acc)
+                    kb, vb = expand_kv(ks[ki], H).to(acc), expand_kv(vs[ki], H).to(acc)
                     p = torch.exp(_scores(qs[qi], kb, causal, scale) - lses[qi].unsqueeze(-1))
-                    dvs[ki].add_(p.transpose(-1, -2) @ dos[qi])
+                    dvs[ki].add_(_fold_kv(p.transpose(-1, -2) @ dos[qi], kvh))
                     ds = p * (dos[qi] @ vb.transpose(-1, -2) - deltas[qi].unsqueeze(-1))
                     dq[qi].add_((ds @ kb) * scale)
-                    dks[ki].add_((ds.transpose(-1, -2) @ qs[qi]) * scale)
+                    dks[ki].add_(_fold_kv((ds.transpose(-1, -2) @ qs[qi]) * scale, kvh))
             # dK/dV move on with their block at every step; the last hop returns them to their owner
             dworks, dnext = _exchange(group, dkv, "cp.ring.dkv") if n > 1 else ([], dkv)
             for w in works + dworks:
