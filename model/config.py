@@ -28,10 +28,8 @@ class GPTConfig:
     def __post_init__(self):
         if self.d_ff == 0:
             object.__setattr__(self, "d_ff", -(-8 * self.d_model // 3 // 16) * 16)
-        if self.n_kv_heads == 0:
-            object.__setattr__(self, "n_kv_heads", self.n_heads)
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads} (each key/value "
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads} (each key/value "
                              f"head serves a group of query heads)")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
@@ -47,9 +45,14 @@ class GPTConfig:
         return self.d_model // self.n_heads
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads (n_kv_heads, or n_heads when that is 0)."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
     def kv_dim(self) -> int:
         """The width of the key and value projections."""
-        return self.n_kv_heads * self.head_dim
+        return self.kv_heads * self.head_dim
 
     def is_moe(self, layer: int) -> bool:
         """Whether block `layer` has experts instead of the dense SwiGLU MLP."""

@@ -100,9 +100,9 @@ class Layout:
         if self.tp > 1 and c.n_heads % self.tp:
             raise LayoutError(f"n_heads={c.n_heads} is not divisible by tp={self.tp}; "
                               f"tp could be one of {_divisors(c.n_heads)}")
-        if self.tp > 1 and c.n_kv_heads % self.tp:
-            raise LayoutError(f"n_kv_heads={c.n_kv_heads} is not divisible by tp={self.tp} (tensor parallelism splits "
-                              f"the key/value heads too); tp could be one of {_divisors(c.n_kv_heads)}")
+        if self.tp > 1 and c.kv_heads % self.tp:
+            raise LayoutError(f"n_kv_heads={c.kv_heads} is not divisible by tp={self.tp} (tensor parallelism splits "
+                              f"the key/value heads too); tp could be one of {_divisors(c.kv_heads)}")
         stages = self.pp * self.virtual_stages
         if self.stage_layers is not None:
             if len(self.stage_layers) != stages or sum(self.stage_layers) != c.n_layers or min(self.stage_layers) < 1:
@@ -122,11 +122,11 @@ class Layout:
                 fits = [d for d in _divisors(c.seq_len) if c.seq_len % n_chunks(d, self.cp_balance) == 0]
                 raise LayoutError(f"seq_len={c.seq_len} is not divisible by {what} = {n} ({self.cp_balance} cuts the "
                                   f"sequence into {n} chunks); cp could be one of {fits}, or seq_len a multiple of {n}")
-            if self.cp_impl == "ulysses" and c.n_kv_heads % (self.cp * self.tp):
-                heads = "n_heads" if c.n_kv_heads == c.n_heads else "n_kv_heads"
-                raise LayoutError(f"Ulysses splits the heads over cp: {heads}={c.n_kv_heads} is not divisible by "
+            if self.cp_impl == "ulysses" and c.kv_heads % (self.cp * self.tp):
+                heads = "n_heads" if c.kv_heads == c.n_heads else "n_kv_heads"
+                raise LayoutError(f"Ulysses splits the heads over cp: {heads}={c.kv_heads} is not divisible by "
                                   f"cp·tp = {self.cp}·{self.tp} = {self.cp * self.tp}; cp could be one of "
-                                  f"{_divisors(c.n_kv_heads // self.tp)}")
+                                  f"{_divisors(c.kv_heads // self.tp)}")
             if self.sequence_parallel and (c.seq_len // self.cp) % self.tp:
                 raise LayoutError(f"sequence parallelism splits each cp rank's seq_len/cp = {c.seq_len // self.cp} "
                                   f"tokens over tp={self.tp}: not divisible")

@@ -70,8 +70,8 @@ class SequenceParallelRMSNorm(RMSNorm):
 
 def check_tensor_parallel(config, tp: int, sequence_parallel: bool) -> None:
     c = config
-    if c.n_heads % tp or c.n_kv_heads % tp or c.d_ff % tp:
-        raise ValueError(f"tensor parallelism: n_heads={c.n_heads}, n_kv_heads={c.n_kv_heads} and d_ff={c.d_ff} must "
+    if c.n_heads % tp or c.kv_heads % tp or c.d_ff % tp:
+        raise ValueError(f"tensor parallelism: n_heads={c.n_heads}, n_kv_heads={c.kv_heads} and d_ff={c.d_ff} must "
                          f"be divisible by tp={tp}")
     if sequence_parallel and c.seq_len % tp:
         raise ValueError(f"sequence parallelism: seq_len={c.seq_len} is not divisible by tp={tp}")
