@@ -49,8 +49,9 @@ class Bucket:
         """Make p.grad the bucket view (copying a gradient autograd allocated elsewhere,
         zeros if the parameter received none)."""
         g = p.grad
-        if g is not None and g.data_ptr() == self.flat[self.offsets[p]:].data_ptr():
-            return
+        if g is not None and g.untyped_storage()._cdata == self.flat.untyped_storage()._cdata \
+                and g.storage_offset() == self.flat.storage_offset() + self.offsets[p]:
+            return  # already the view (storages compared: on meta every data_ptr is 0)
         v = self.view(p)
         if g is None:
             v.zero_()

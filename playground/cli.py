@@ -118,11 +118,16 @@ def _parser() -> argparse.ArgumentParser:
                                 description="Distributed training on simulated ranks: every byte counted, every "
                                             "layout checked against one device.")
     p.add_argument("--version", action="version", version=f"playground {_version()}")
-    sub = p.add_subparsers(dest="verb", required=True, metavar="{train,check,export,bench}")
+    sub = p.add_subparsers(dest="verb", required=True, metavar="{train,check,plan,export,bench}")
     sub.add_parser("train", parents=[common], formatter_class=_Help,
                    help="train and report loss, throughput, bytes per rank, simulated time and memory")
     sub.add_parser("check", parents=[common], formatter_class=_Help,
                    help="prove a layout computes what one device computes (exit status 0 only if it does)")
+    pl = sub.add_parser("plan", parents=[common], formatter_class=_Help,
+                        help="what a layout would cost on --hardware: every rank's program on meta tensors (no data)")
+    pl.add_argument("--global-batch", type=int, help="sequences per step (default: dp × microbatches × micro-batch "
+                                                     "size); sets the microbatches")
+    pl.set_defaults(dtype="bfloat16")
     e = sub.add_parser("export", formatter_class=_Help,
                        help="write a checkpoint's weights as the reference GPT's plain state_dict")
     e.add_argument("directory", help="the checkpoint folder")
@@ -195,7 +200,7 @@ def _stage_layers(text):
         raise LayoutError(f"--stage-layers {text!r}: give comma-separated block counts, e.g. 1,3") from None
 
 
-def run_config(args, default_steps: int):
+def run_config(args, default_steps: int, meta: bool = False):
     """The RunConfig of the arguments, every input checked (raises ValueError naming it)."""
     from model import preset
     from model.data import make_source
@@ -246,7 +251,7 @@ def run_config(args, default_steps: int):
                     backend=args.backend, progress=not args.no_progress, hardware=args.hardware,
                     count_every_step=args.count_every_step, save=args.save, save_every=args.save_every,
                     resume=args.resume, init_from=args.init_from)
-    if run.backend == "sim":
+    if run.backend == "sim" and not meta:  # (a plan's ranks hold meta tensors: no memory)
         check_simulated_memory(run)
     return run
 
@@ -346,8 +351,20 @@ def _main(args) -> int:
     from model.data import DataError
 
     from .layout import LayoutError
+    if args.verb == "plan":
+        if not args.hardware:
+            print("playground plan: --hardware is required (h100-sxm, a100-80gb, h200 or a profile file)",
+                  file=sys.stderr)
+            return 2
+        if args.global_batch is not None:
+            dp, mbs = args.dp or 1, args.micro_batch_size
+            if args.global_batch % (dp * mbs):
+                print(f"playground plan: --global-batch {args.global_batch} is not divisible by dp × micro-batch size = "
+                      f"{dp} × {mbs}", file=sys.stderr)
+                return 2
+            args.microbatches = args.global_batch // (dp * mbs)
     try:
-        run = run_config(args, default_steps=20 if args.verb == "train" else 3)
+        run = run_config(args, default_steps=20 if args.verb == "train" else 3, meta=args.verb == "plan")
         if args.verb == "check" and (args.save or args.resume):
             raise ValueError("check compares training from the start against one device: --save and --resume "
                              "belong to train")
@@ -355,6 +372,8 @@ def _main(args) -> int:
         print(f"playground {args.verb}: {e}", file=sys.stderr)
         return 2
     try:
+        if args.verb == "plan":
+            return _plan(args, run)
         return _train(args, run) if args.verb == "train" else _check(args, run)
     except RankFailedError as e:  # one line: the rank and what it raised
         cause = e.__cause__
@@ -383,6 +402,20 @@ def _train(args, run) -> int:
     if args.json:
         from .summary import train_json, write_json
         write_json(args.json, train_json(res))
+        print(f"\njson: {args.json}")
+    return 0
+
+
+def _plan(args, run) -> int:
+    from .planning import plan, plan_json, summary
+    p = plan(run)
+    print(summary(p))
+    if args.trace:
+        from simulator.trace import write_chrome_trace
+        write_chrome_trace(args.trace, p.ledger, None)
+    if args.json:
+        from .summary import write_json
+        write_json(args.json, plan_json(p))
         print(f"\njson: {args.json}")
     return 0
 

@@ -250,7 +250,7 @@ class ParallelModel:
 
 
 def _uses_zero(run) -> bool:
-    return bool(run.layout.zero) or run.dtype == "float16"
+    return bool(run.layout.zero) or run.dtype == "float16" or (run.dtype == "bfloat16" and run.bf16_copies)
 
 
 def expert_mesh(mesh, layout):

@@ -40,6 +40,9 @@ class RunConfig:
     # with hardware: count every op of every step; otherwise step 0 is counted, step 1
     # recorded, and later steps replay its compute (simulator/clock.py)
     count_every_step: bool = False
+    # bfloat16 as compute copies with fp32 master weights (ZeRO's engine, at stage 0 without
+    # --zero) instead of autocast: what planning on meta uses (playground/planning.py)
+    bf16_copies: bool = False
     # checkpoints (playground/checkpoint.py)
     save: str | None = None  # a folder: save there every `save_every` steps and at the end
     save_every: int | None = None

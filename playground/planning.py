@@ -1,0 +1,135 @@
+"""`playground plan`: what a layout would cost on a hardware profile, from the real
+per-rank program on meta tensors (shapes only: parameters, activations, collectives).
+
+Every rank builds its part of the model through `parallelize` on the meta device and runs
+two training steps, optimizer included (AdamW makes its moments at the first; the second
+is the one reported), under the simulator's clock and memory accounting. bfloat16 is
+planned with bf16 compute copies and fp32 master weights and moments (ZeRO's engine, at
+stage 0 without --zero), as mixed-precision training keeps them on GPUs; autocast does not
+exist on meta. Attention is priced as the flash kernel a GPU runs (docs/architecture.md,
+"The simulator behind the process groups"); experts assume balanced routing.
+
+Reported: the step split into compute, exposed communication and idle (waiting for peers:
+a pipeline's bubble shows here) for each class of ranks with identical figures, tokens/s
+and MFU (model FLOPs per token × tokens/s over world × peak bf16), memory by category per
+class against the profile's HBM with the overshoot of any that would not fit, and the bytes
+each rank moves per step by label.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from collectives import Mesh, ReduceOp, launch
+from collectives.ledger import human_bytes
+from model import GPT
+from simulator import MemoryTracker, SimulatedTime, load_hardware
+
+from .parallelize import data_parallel_group, parallelize
+from .report import _rank_ranges, bytes_per_step, table
+
+
+def plan_rank(world, run) -> dict:
+    layout, cfg = run.layout, run.model
+    mesh = Mesh(world, **layout.mesh_axes())
+    memory = MemoryTracker()
+    dtype = torch.float32 if run.dtype in ("bfloat16", "float16") else run.param_dtype
+    model = parallelize(GPT(cfg, dtype=dtype, device="meta"), mesh, run, "meta", memory)
+    tokens = torch.empty(layout.global_batch // layout.dp, cfg.seq_len + 1, dtype=torch.long, device="meta")
+    micro = tokens.split(layout.micro_batch_size)
+    clock = world.timing.clock
+    replicas = data_parallel_group(mesh, layout)
+    for _ in range(2):
+        before = clock.breakdown()
+        total = model.run_step(micro, lambda: memory.track_activations(exclude=model.params))
+        model.step()
+        replicas.all_reduce(total, op=ReduceOp.AVG, label="metrics.loss")  # as a training step does
+        after = clock.breakdown()
+    return {"step": {k: after[k] - before[k] for k in after},
+            "memory": memory.snapshot(states=MemoryTracker.measure(model.state_tensors()))}
+
+
+@dataclass
+class Plan:
+    run: object
+    values: list  # per rank: {"step": {...}, "memory": {...}}
+    ledger: object
+    wall_s: float
+
+    @property
+    def step_s(self) -> float:
+        return max(v["step"]["time"] for v in self.values)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.run.tokens_per_step / self.step_s
+
+    @property
+    def mfu(self) -> float:
+        hw = load_hardware(self.run.hardware)
+        return self.run.model.flops_per_token() * self.tokens_per_s / (self.run.layout.world * hw.peak_bf16_flops)
+
+
+def plan(run) -> Plan:
+    """Plan `run` (its hardware profile required) on simulated ranks."""
+    if not run.hardware:
+        raise ValueError("plan needs --hardware: the profile the layout is planned on")
+    run.layout.validate(run.model)
+    if run.dtype == "bfloat16" and not run.layout.zero:
+        run = replace(run, bf16_copies=True)
+    t0 = time.perf_counter()
+    res = launch(plan_rank, run.layout.world, args=(run,), time_model=SimulatedTime(run.hardware),
+                 max_running=2 * (os.cpu_count() or 1))
+    return Plan(run, res.values, res.ledger, time.perf_counter() - t0)
+
+
+def _classes(rows: list) -> list:
+    """[(ranks, row)]: ranks whose rows are equal share one."""
+    out: dict = {}
+    for r, row in enumerate(rows):
+        out.setdefault(tuple(row), []).append(r)
+    return sorted(((ranks, list(row)) for row, ranks in out.items()), key=lambda x: x[0][0])
+
+
+def summary(p: Plan) -> str:
+    run, cfg, layout = p.run, p.run.model, p.run.layout
+    hw = load_hardware(run.hardware)
+    lines = [f"\nplayground plan: {layout.describe()}, model {cfg.n_params():,} parameters (d_model {cfg.d_model}, "
+             f"{cfg.n_layers} layers, {cfg.n_heads} heads), {run.dtype}, on {run.hardware}",
+             f"global batch: {layout.global_batch} sequences × {cfg.seq_len} tokens = {run.tokens_per_step:,} tokens/step "
+             f"(dp {layout.dp} × {layout.microbatches} microbatches × {layout.micro_batch_size} sequences)",
+             f"step {p.step_s * 1e3:.1f} ms: {p.tokens_per_s:,.0f} tokens/s, MFU {100 * p.mfu:.1f}% "
+             f"({cfg.flops_per_token():,} model FLOPs per token; planned in {p.wall_s:.1f} s)"]
+    rows = [[f"{v['step']['time'] * 1e3:.2f} ms", f"{v['step']['compute'] * 1e3:.2f} ms",
+             f"{v['step']['exposed_comm'] * 1e3:.2f} ms", f"{v['step']['idle'] * 1e3:.2f} ms"] for v in p.values]
+    lines.append("\nthe step per class of ranks (idle: waiting for peers, a pipeline's bubble included):")
+    lines.append(table(["ranks", "step", "compute", "exposed comm", "idle"],
+                       [[_rank_ranges(r), *row] for r, row in _classes(rows)], left=1))
+    cap = hw.hbm_capacity
+    rows = []
+    for v in p.values:
+        m = v["memory"]
+        over = m["peak_total"] - cap
+        rows.append([human_bytes(m["parameters"]), human_bytes(m["gradients"]), human_bytes(m["optimizer"]),
+                     human_bytes(m["peak_activations"]), human_bytes(m["peak_comm_buffers"]),
+                     human_bytes(m["peak_total"]), f"{100 * m['peak_total'] / cap:.1f}%",
+                     f"OOM by {human_bytes(over)}" if over > 0 else "fits"])
+    lines.append(f"\nmemory per class of ranks (peaks; {human_bytes(cap)} of HBM on {run.hardware}):")
+    lines.append(table(["ranks", "parameters", "gradients", "optimizer", "activations", "comm buffers", "peak total",
+                        "of HBM", ""], [[_rank_ranges(r), *row] for r, row in _classes(rows)], left=1))
+    lines.append("\ncommunication per rank per step (planned):")
+    lines.append(bytes_per_step(p.ledger, 2))
+    return "\n".join(lines)
+
+
+def plan_json(p: Plan) -> dict:
+    from .summary import SCHEMA_VERSION, _run_json, communication
+    hw = load_hardware(p.run.hardware)
+    return {"schema": f"playground.plan/{SCHEMA_VERSION}", **_run_json(p.run), "step_s": p.step_s,
+            "tokens_per_s": p.tokens_per_s, "mfu": p.mfu, "hbm": hw.hbm_capacity, "wall_s": p.wall_s,
+            "per_rank": [{"rank": r, **{f"{k}_s": x for k, x in v["step"].items()}, "memory": v["memory"],
+                          "fits": v["memory"]["peak_total"] <= hw.hbm_capacity} for r, v in enumerate(p.values)],
+            "communication": communication(p.ledger, 2)}
