@@ -46,7 +46,7 @@ class LaunchResult:
 
 def launch(fn, world_size: int | None = None, backend: str = "sim", *, args=(), kwargs=None,
            timeout: float = 300.0, intra_op_threads: int | None = 1, max_running: int | None = None,
-           time_model=None) -> LaunchResult:
+           time_model=None, live=None) -> LaunchResult:
     """Run `fn(world, *args, **kwargs)` on every rank.
 
     `intra_op_threads` (sim only): torch's intra-op thread count while the simulated
@@ -57,6 +57,8 @@ def launch(fn, world_size: int | None = None, backend: str = "sim", *, args=(), 
     `max_running` (sim only): at most this many ranks execute between blocking calls
     (None: all). With hundreds of ranks on a few cores, capping it keeps only that many
     ranks' activations alive at once instead of every rank's.
+    `live` (sim only): the ranks that run, each a stand-in for ranks whose programs are
+    identical (sim_world.py); the others run nothing and their values are None.
     `time_model` (sim only): a `collectives.timing.TimeModel` (the simulator's
     `SimulatedTime(profile)`); then every call gets a simulated start and end in the
     ledger, and each rank's groups expose the model's view of it as `group.timing`.
@@ -71,12 +73,12 @@ def launch(fn, world_size: int | None = None, backend: str = "sim", *, args=(), 
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if backend == "sim":
         if intra_op_threads is None or world_size == 1:
-            return _launch_sim(fn, world_size, args, kwargs, max_running, time_model)
+            return _launch_sim(fn, world_size, args, kwargs, max_running, time_model, live)
         import torch
         previous = torch.get_num_threads()
         torch.set_num_threads(intra_op_threads)
         try:
-            return _launch_sim(fn, world_size, args, kwargs, max_running, time_model)
+            return _launch_sim(fn, world_size, args, kwargs, max_running, time_model, live)
         finally:
             torch.set_num_threads(previous)
     if time_model is not None:
@@ -94,10 +96,10 @@ def _failure(rank: int, exc: BaseException, tb: str) -> BaseException:
 
 
 # -- simulated ----------------------------------------------------------------------------
-def _launch_sim(fn, n, args, kwargs, max_running=None, time_model=None) -> LaunchResult:
+def _launch_sim(fn, n, args, kwargs, max_running=None, time_model=None, live=None) -> LaunchResult:
     if time_model is not None:
         time_model.start(n)
-    world = SimWorld(n, max_running, time_model)
+    world = SimWorld(n, max_running, time_model, live)
     values = [None] * n
     errors: list = [None] * n
 
@@ -119,7 +121,8 @@ def _launch_sim(fn, n, args, kwargs, max_running=None, time_model=None) -> Launc
                 world.running.release()
             world.rank_finished(r, exc)
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"sim-rank-{r}", daemon=True) for r in range(n)]
+    running = range(n) if live is None else sorted(live)
+    threads = [threading.Thread(target=body, args=(r,), name=f"sim-rank-{r}", daemon=True) for r in running]
     for t in threads:
         t.start()
     for t in threads:

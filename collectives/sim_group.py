@@ -2,6 +2,7 @@
 calls to the shared `SimWorld`."""
 from __future__ import annotations
 
+from .errors import CollectiveMismatchError
 from .process_group import ProcessGroup, Work
 from .sim_world import SimWorld, Slot
 
@@ -43,6 +44,16 @@ class SimProcessGroup(ProcessGroup):
         ledger.record(call.make_entry(len(ledger.per_rank[call.rank])))
 
     def _issue(self, call) -> Work:
+        world = self._world
+        if world.live is not None:  # stand-ins: see sim_world
+            live = world.live_members(call.group)
+            if len(live) == 1 and len(call.group) > 1:  # (a send or recv to a peer of its own class too)
+                return SimWork(world, world.complete_alone(self._key, call), call)
+            if len(live) != len(call.group):
+                raise CollectiveMismatchError(
+                    f"rank {call.rank}: {call.op} on group {list(call.group)} mixes ranks that run ({live}) with "
+                    f"stand-ins: planning by classes needs each group within one class or across classes' "
+                    f"stand-ins only")
         if call.op in ("send", "recv"):
             slot = self._world.post_p2p(self._key, call)
         else:

@@ -212,3 +212,32 @@ _EXECUTORS = {
     "broadcast_object": _objects,
     "all_gather_object": _objects,
 }
+
+
+def as_if_identical(call, n: int) -> None:
+    """The result of `call` had every one of the group's n members made the same call with
+    the same data (stand-ins: sim_world.py). Defined for the collectives whose result that
+    fixes; others must be on meta tensors."""
+    from .errors import CollectiveMismatchError
+    from .reduce_op import ReduceOp
+    b = call.bufs
+    if call.op == "all_reduce":
+        a = b["tensor"].array
+        if call.reduce_op == ReduceOp.SUM:
+            a *= n
+        elif call.reduce_op == ReduceOp.PRODUCT:
+            a **= n
+        return  # AVG, MAX, MIN of equal values: the value
+    if call.op in ("all_gather", "all_to_all"):
+        inp, out = b["inp"].array.reshape(-1), b["out"].array.reshape(-1)
+        if call.op == "all_gather":
+            chunk = inp
+        else:  # every member sends me what I send to my own position
+            splits = call.in_splits or [len(inp) // n] * n
+            row = inp.size // max(1, sum(splits)) if sum(splits) else 0
+            start = sum(splits[:call.pos]) * row
+            chunk = inp[start:start + splits[call.pos] * row]
+        out[:] = np.tile(chunk, n)[:out.size]
+        return
+    raise CollectiveMismatchError(f"rank {call.rank}: {call.op} on group {list(call.group)} with stand-in ranks moves "
+                                  f"no data: its tensors must be meta tensors ({call.describe()})")

@@ -11,6 +11,13 @@ blocked (ranks that returned are not live), nothing can ever progress: the world
 `DeadlockError` in every blocked rank at once, listing what each waits on and where.
 Crash: when a rank raises, every blocked rank wakes with `RankAbortedError`, later calls
 raise it too, and `launch` reports the original exception.
+
+Stand-ins (planning at scale): only the `live` ranks run, each standing for a class of ranks
+whose programs are identical (every rank of one pipeline stage, say). A collective on a
+group where the caller is the only live member completes at once, on meta tensors (there
+is no data), timed for the whole group as if every member arrived with it: identical
+programs arrive together. Groups of several live members meet as usual; a group mixing
+several live members with stand-ins is refused (its members would not be identical).
 """
 from __future__ import annotations
 
@@ -60,8 +67,9 @@ class RankState:
 
 
 class SimWorld:
-    def __init__(self, world_size: int, max_running: int | None = None, time_model=None):
+    def __init__(self, world_size: int, max_running: int | None = None, time_model=None, live=None):
         self.size = world_size
+        self.live = frozenset(live) if live is not None else None  # None: every rank runs
         self.time_model = time_model  # a collectives.timing.TimeModel: calls are timed by it
         # At most `max_running` ranks execute between blocking points; a rank gives its
         # slot back whenever it blocks in a call and takes one again when woken. Bounds
@@ -72,7 +80,7 @@ class SimWorld:
         self.pending: dict = {}  # (group key, seq) -> Slot
         self.channels: dict = {}  # (group key, src, dst) -> (deque of send Slots, deque of recv Slots)
         self.ranks = [RankState(r) for r in range(world_size)]
-        self.alive = world_size
+        self.alive = world_size if live is None else len(self.live)
         self.blocked = 0
         self.failure = None  # (rank, exception) of the first rank that raised
         self.deadlock = None  # the message, once detected
@@ -124,6 +132,30 @@ class SimWorld:
                 ready = False
         if ready:
             self._complete(slot, slot.calls)
+        return slot
+
+    # -- stand-ins --------------------------------------------------------------------
+    def live_members(self, group: tuple) -> list:
+        return list(group) if self.live is None else [r for r in group if r in self.live]
+
+    def complete_alone(self, key, call) -> Slot:
+        """The caller stands for every member of its group (see the module docstring)."""
+        if not all(getattr(buf, "is_meta", False) for buf in call.bufs.values()):
+            sim_ops.as_if_identical(call, len(call.group))
+        slot = Slot(1, f"group {list(call.group)} (stand-ins)")
+        slot.calls[0] = call
+        slot.arrived = 1
+        if call.op == "all_gather_object":
+            call.result = [call.obj] * len(call.group)
+        elif call.op == "broadcast_object":
+            call.result = call.obj
+        stream = (key, *call.group) if call.op in ("send", "recv") else key  # as post_p2p's channels
+        with self.mutex:
+            self._raise_if_aborted()
+            if self.time_model is not None:
+                call.ready = self.time_model.issued(call.rank, stream, _replay_tag(call))
+                self._time(slot, stream)
+            slot.done = True
         return slot
 
     def _time(self, slot: Slot, stream) -> None:

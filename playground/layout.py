@@ -64,6 +64,8 @@ class Layout:
         extra = [f"zero={self.zero}"] if self.zero else []
         if self.sequence_parallel:
             extra.append("sequence parallel")
+        if self.ep > 1:
+            extra.append(f"ep={self.ep}")
         if self.cp > 1:
             extra.append(f"{self.cp_impl} attention" + (f", {self.cp_balance}" if self.cp_impl == "ring" else ""))
         if self.pp > 1:

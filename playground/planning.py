@@ -9,6 +9,13 @@ stage 0 without --zero), as mixed-precision training keeps them on GPUs; autocas
 exist on meta. Attention is priced as the flash kernel a GPU runs (docs/architecture.md,
 "The simulator behind the process groups"); experts assume balanced routing.
 
+Scale: the ranks of one pipeline stage run identical programs (the same shapes and group
+sizes: tensor-, context-, data- and expert-parallel positions differ only in which slice of
+the data or of the weights they hold), so by default one rank per stage runs, a stand-in
+for its class; a collective within a class completes at once, costed for the whole group
+(collectives/sim_world.py, "stand-ins"). `every_rank=True` runs them all; a test holds the
+two equal.
+
 Reported: the step split into compute, exposed communication and idle (waiting for peers:
 a pipeline's bubble shows here) for each class of ranks with identical figures, tokens/s
 and MFU (model FLOPs per token × tokens/s over world × peak bf16), memory by category per
@@ -17,6 +24,7 @@ each rank moves per step by label.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, replace
@@ -27,6 +35,7 @@ from collectives import Mesh, ReduceOp, launch
 from collectives.ledger import human_bytes
 from model import GPT
 from simulator import MemoryTracker, SimulatedTime, load_hardware
+from simulator.cost_model import placement
 
 from .parallelize import data_parallel_group, parallelize
 from .report import _rank_ranges, bytes_per_step, table
@@ -40,14 +49,15 @@ def plan_rank(world, run) -> dict:
     model = parallelize(GPT(cfg, dtype=dtype, device="meta"), mesh, run, "meta", memory)
     tokens = torch.empty(layout.global_batch // layout.dp, cfg.seq_len + 1, dtype=torch.long, device="meta")
     micro = tokens.split(layout.micro_batch_size)
-    clock = world.timing.clock
+    clock, compute = world.timing.clock, world.timing.compute_model
     replicas = data_parallel_group(mesh, layout)
-    for _ in range(2):
-        before = clock.breakdown()
-        total = model.run_step(micro, lambda: memory.track_activations(exclude=model.params))
-        model.step()
-        replicas.all_reduce(total, op=ReduceOp.AVG, label="metrics.loss")  # as a training step does
-        after = clock.breakdown()
+    for step in range(2):  # the first makes AdamW's moments; its ops need no counting
+        with compute.paused() if step == 0 else contextlib.nullcontext():
+            before = clock.breakdown()
+            total = model.run_step(micro, lambda: memory.track_activations(exclude=model.params))
+            model.step()
+            replicas.all_reduce(total, op=ReduceOp.AVG, label="metrics.loss")  # as a training step does
+            after = clock.breakdown()
     return {"step": {k: after[k] - before[k] for k in after},
             "memory": memory.snapshot(states=MemoryTracker.measure(model.state_tensors()))}
 
@@ -58,6 +68,7 @@ class Plan:
     values: list  # per rank: {"step": {...}, "memory": {...}}
     ledger: object
     wall_s: float
+    by_classes: bool = False  # one stand-in rank per pipeline stage ran
 
     @property
     def step_s(self) -> float:
@@ -73,17 +84,78 @@ class Plan:
         return self.run.model.flops_per_token() * self.tokens_per_s / (self.run.layout.world * hw.peak_bf16_flops)
 
 
-def plan(run) -> Plan:
-    """Plan `run` (its hardware profile required) on simulated ranks."""
+def stand_ins(layout) -> dict:
+    """{rank: the rank that stands for it}: the rank of its pipeline stage at dp = cp = tp = 0."""
+    inner = layout.dp * layout.cp * layout.tp
+    return {r: (r // inner) * inner for r in range(layout.world)}
+
+
+def placement_signature(layout, rank: int, gpus_per_node: int) -> tuple:
+    """What the time model sees of `rank`'s position (simulator/cost_model.py, "placement"):
+    for each group the layout makes (mesh.group of these axes, the expert mesh's groups) the
+    nodes it spans and its ranks per node, and whether its pipeline neighbours share its node.
+    Ranks of a stage with equal signatures time every call alike."""
+    shape = {"pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "tp": layout.tp}
+    coords = dict(zip(shape, _coords(rank, shape.values())))
+    ep = max(1, layout.ep)
+    eshape = {"pp": layout.pp, "edp": layout.dp * layout.cp // ep, "ep": ep, "tp": layout.tp}
+    ecoords = dict(zip(eshape, _coords(rank, eshape.values())))
+    sig = [placement(_group(shape, coords, axes), gpus_per_node)
+           for axes in (("dp",), ("tp",), ("cp",), ("pp",), ("dp", "cp"), ("dp", "cp", "tp"))]
+    sig += [placement(_group(eshape, ecoords, axes), gpus_per_node) for axes in (("ep",), ("edp", "tp"))]
+    stride = layout.dp * layout.cp * layout.tp
+    sig += [(rank + d * stride) % layout.world // gpus_per_node == rank // gpus_per_node for d in (-1, 1)]
+    return tuple(sig)
+
+
+def _coords(rank: int, sizes) -> list:
+    out = []
+    for n in reversed(list(sizes)):
+        rank, c = divmod(rank, n)
+        out.append(c)
+    return out[::-1]
+
+
+def _group(shape: dict, coords: dict, axes) -> list:
+    """Ranks differing from `coords` only along `axes` (collectives/mesh.py's row-major order)."""
+    ranks = [0]
+    for name, n in shape.items():
+        values = range(n) if name in axes else (coords[name],)
+        ranks = [r * n + v for r in ranks for v in values]
+    return ranks
+
+
+def uniform_stages(layout, gpus_per_node: int) -> bool:
+    """Whether every rank's placement signature equals its stand-in's: then the stand-ins
+    time exactly what every rank would."""
+    of = stand_ins(layout)
+    sigs: dict = {}
+    for r in range(layout.world):
+        s = placement_signature(layout, r, gpus_per_node)
+        if sigs.setdefault(of[r], s) != s:
+            return False
+    return True
+
+
+def plan(run, every_rank: bool = False) -> Plan:
+    """Plan `run` (its hardware profile required) on simulated ranks: one per class of
+    identical ranks, or `every_rank`."""
     if not run.hardware:
         raise ValueError("plan needs --hardware: the profile the layout is planned on")
     run.layout.validate(run.model)
     if run.dtype == "bfloat16" and not run.layout.zero:
         run = replace(run, bf16_copies=True)
     t0 = time.perf_counter()
+    of = stand_ins(run.layout)
+    by_classes = not every_rank and uniform_stages(run.layout, load_hardware(run.hardware).gpus_per_node)
+    live = sorted(set(of.values())) if by_classes else None
     res = launch(plan_rank, run.layout.world, args=(run,), time_model=SimulatedTime(run.hardware),
-                 max_running=2 * (os.cpu_count() or 1))
-    return Plan(run, res.values, res.ledger, time.perf_counter() - t0)
+                 max_running=2 * (os.cpu_count() or 1), live=live)
+    values, ledger = res.values, res.ledger
+    if live is not None:  # every rank reports what its stand-in measured
+        values = [values[of[r]] for r in range(run.layout.world)]
+        ledger.per_rank = [ledger.per_rank[of[r]] for r in range(run.layout.world)]
+    return Plan(run, values, ledger, time.perf_counter() - t0, by_classes)
 
 
 def _classes(rows: list) -> list:
@@ -102,7 +174,10 @@ def summary(p: Plan) -> str:
              f"global batch: {layout.global_batch} sequences × {cfg.seq_len} tokens = {run.tokens_per_step:,} tokens/step "
              f"(dp {layout.dp} × {layout.microbatches} microbatches × {layout.micro_batch_size} sequences)",
              f"step {p.step_s * 1e3:.1f} ms: {p.tokens_per_s:,.0f} tokens/s, MFU {100 * p.mfu:.1f}% "
-             f"({cfg.flops_per_token():,} model FLOPs per token; planned in {p.wall_s:.1f} s)"]
+             f"({cfg.flops_per_token():,} model FLOPs per token; planned in {p.wall_s:.1f} s, "
+             + (f"one rank per pipeline stage standing for its {layout.world // layout.pp})" if p.by_classes else
+                "every rank run: the ranks of a stage sit differently across nodes)" if layout.world > layout.pp else
+                "every rank run)")]
     rows = [[f"{v['step']['time'] * 1e3:.2f} ms", f"{v['step']['compute'] * 1e3:.2f} ms",
              f"{v['step']['exposed_comm'] * 1e3:.2f} ms", f"{v['step']['idle'] * 1e3:.2f} ms"] for v in p.values]
     lines.append("\nthe step per class of ranks (idle: waiting for peers, a pipeline's bubble included):")

@@ -9,7 +9,9 @@ import pytest
 
 from model import preset
 from playground import Layout, RunConfig, train
-from playground.planning import plan
+from playground.summary import communication
+from playground.planning import plan, stand_ins as planning_stand_ins, summary
+from playground.planning import uniform_stages as planning_uniform_stages
 
 CFG = preset("small", n_layers=2)
 
@@ -42,3 +44,37 @@ def test_plan_command_flags_what_does_not_fit(tmp_path):
     assert states == pytest.approx(16 * preset("7b").n_params(), rel=1e-3)  # bf16 copies + fp32 master and moments
     p = subprocess.run([sys.executable, "-m", "playground", "plan", "--model", "tiny"], capture_output=True, text=True)
     assert p.returncode == 2 and "--hardware is required" in p.stderr
+
+
+@pytest.mark.parametrize("layout", [Layout(dp=4, tp=2, pp=2, microbatches=2, micro_batch_size=1, sequence_parallel=True),
+                                    Layout(cp=2, dp=2, pp=2, zero=1, microbatches=2, micro_batch_size=1),
+                                    Layout(dp=2, tp=2, cp=2, zero=3, micro_batch_size=1)],
+                         ids=["dp4-tp2-pp2-sp", "cp2-dp2-pp2-zero1", "dp2-tp2-cp2-zero3"])
+def test_plan_by_stand_ins_equals_every_rank(layout):
+    run = RunConfig(model=CFG, layout=layout, steps=2, hardware="h100-sxm", progress=False)
+    classes, every = plan(run), plan(run, every_rank=True)
+    assert classes.by_classes and not every.by_classes
+    assert len(set(planning_stand_ins(layout).values())) == layout.pp
+    for r in range(layout.world):
+        a, b = every.values[r], classes.values[r]
+        for k in ("time", "compute", "exposed_comm", "idle"):
+            assert b["step"][k] == pytest.approx(a["step"][k], rel=1e-4, abs=1e-9), (r, k)
+        assert b["memory"] == pytest.approx(a["memory"], rel=1e-4), r
+        moved = [{(c["label"], c["calls_per_step"], c["bytes_sent_per_step"], c["bytes_received_per_step"])
+                  for c in communication(p.ledger, 2) if c["rank"] == r and not c["setup"]}
+                 for p in (classes, every)]  # (setup broadcasts differ by position in the chain)
+        assert moved[0] == moved[1] and moved[0], r
+
+
+def test_stages_whose_ranks_sit_differently_across_nodes_are_planned_rank_by_rank():
+    # dp3 × tp2 × pp2 on 8-GPU nodes: stage 1 is ranks 6-11, so ranks 6, 7 reach stage 0
+    # within a node and ranks 8-11 across nodes; one stand-in would time them all alike.
+    assert planning_uniform_stages(Layout(dp=4, tp=2, pp=2), 8)
+    assert not planning_uniform_stages(Layout(dp=3, tp=2, pp=2), 8)
+    assert not planning_uniform_stages(Layout(dp=2, cp=3, pp=2), 4)  # stage 0 spans nodes 0-1 unevenly
+    run = RunConfig(model=CFG, layout=Layout(dp=3, tp=2, pp=2, microbatches=2), steps=2, hardware="h100-sxm",
+                    progress=False)
+    p = plan(run)
+    assert not p.by_classes and "every rank run" in summary(p)
+    exposed = {round(v["step"]["exposed_comm"], 9) for v in p.values[:6]}
+    assert len(exposed) == 2  # ranks 0, 1 and ranks 2-5 differ: why they cannot share a stand-in
