@@ -356,6 +356,13 @@ def _main(args) -> int:
             print("playground plan: --hardware is required (h100-sxm, a100-80gb, h200 or a profile file)",
                   file=sys.stderr)
             return 2
+        given = [f for f, v in (("--save", args.save), ("--resume", args.resume), ("--init-from", args.init_from),
+                                ("--data", args.data), ("--plots", args.plots), ("--count-every-step",
+                                args.count_every_step), ("--backend", args.backend != "sim")) if v]
+        if given:
+            print(f"playground plan: {', '.join(given)} belong to train: a plan runs no data and keeps no weights",
+                  file=sys.stderr)
+            return 2
         if args.global_batch is not None:
             dp, mbs = args.dp or 1, args.micro_batch_size
             if args.global_batch % (dp * mbs):

@@ -205,6 +205,7 @@ def plan_json(p: Plan) -> dict:
     hw = load_hardware(p.run.hardware)
     return {"schema": f"playground.plan/{SCHEMA_VERSION}", **_run_json(p.run), "step_s": p.step_s,
             "tokens_per_s": p.tokens_per_s, "mfu": p.mfu, "hbm": hw.hbm_capacity, "wall_s": p.wall_s,
+            "by_classes": p.by_classes,
             "per_rank": [{"rank": r, **{f"{k}_s": x for k, x in v["step"].items()}, "memory": v["memory"],
                           "fits": v["memory"]["peak_total"] <= hw.hbm_capacity} for r, v in enumerate(p.values)],
             "communication": communication(p.ledger, 2)}

@@ -44,6 +44,9 @@ def test_plan_command_flags_what_does_not_fit(tmp_path):
     assert states == pytest.approx(16 * preset("7b").n_params(), rel=1e-3)  # bf16 copies + fp32 master and moments
     p = subprocess.run([sys.executable, "-m", "playground", "plan", "--model", "tiny"], capture_output=True, text=True)
     assert p.returncode == 2 and "--hardware is required" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "playground", "plan", "--model", "tiny", "--hardware", "h100-sxm",
+                        "--save", str(tmp_path / "ck")], capture_output=True, text=True)
+    assert p.returncode == 2 and "--save belong to train" in p.stderr and not (tmp_path / "ck").exists()
 
 
 @pytest.mark.parametrize("layout", [Layout(dp=4, tp=2, pp=2, microbatches=2, micro_batch_size=1, sequence_parallel=True),
