@@ -50,18 +50,20 @@ def test_plan_command_flags_what_does_not_fit(tmp_path):
 
 
 @pytest.mark.parametrize("layout", [Layout(dp=4, tp=2, pp=2, microbatches=2, micro_batch_size=1, sequence_parallel=True),
-                                    Layout(cp=2, dp=2, pp=2, zero=1, microbatches=2, micro_batch_size=1),
+                                    Layout(dp=2, tp=2, cp=2, pp=4, zero=1, microbatches=4, micro_batch_size=1,
+                                           sequence_parallel=True),
                                     Layout(dp=2, tp=2, cp=2, zero=3, micro_batch_size=1)],
-                         ids=["dp4-tp2-pp2-sp", "cp2-dp2-pp2-zero1", "dp2-tp2-cp2-zero3"])
+                         ids=["dp4-tp2-pp2-sp", "dp2-tp2-cp2-pp4-zero1-sp", "dp2-tp2-cp2-zero3"])
 def test_plan_by_stand_ins_equals_every_rank(layout):
-    run = RunConfig(model=CFG, layout=layout, steps=2, hardware="h100-sxm", progress=False)
+    run = RunConfig(model=preset("small", n_layers=4), layout=layout, steps=2, hardware="h100-sxm", progress=False)
     classes, every = plan(run), plan(run, every_rank=True)
     assert classes.by_classes and not every.by_classes
     assert len(set(planning_stand_ins(layout).values())) == layout.pp
     for r in range(layout.world):
         a, b = every.values[r], classes.values[r]
-        for k in ("time", "compute", "exposed_comm", "idle"):
-            assert b["step"][k] == pytest.approx(a["step"][k], rel=1e-4, abs=1e-9), (r, k)
+        for k in ("time", "compute", "exposed_comm", "idle"):  # to 1e-4 of the step: identical ranks of
+            # an every-rank plan already differ by a few ns, the order in which their calls meet
+            assert b["step"][k] == pytest.approx(a["step"][k], abs=1e-4 * a["step"]["time"]), (r, k)
         assert b["memory"] == pytest.approx(a["memory"], rel=1e-4), r
         moved = [{(c["label"], c["calls_per_step"], c["bytes_sent_per_step"], c["bytes_received_per_step"])
                   for c in communication(p.ledger, 2) if c["rank"] == r and not c["setup"]}
