@@ -52,6 +52,14 @@ def split_stages(model, pp: int, rank: int, virtual_stages: int = 1, stage_layer
     out = []
     for c in range(virtual_stages):
         s = c * pp + rank
-        part = copy.deepcopy(model) if virtual_stages > 1 else model
+        part = _copy_only(model, ranges[s]) if virtual_stages > 1 else model
         out.append((s, prune(part, ranges[s], s == 0, s == last)))
     return out
+
+
+def _copy_only(model, blocks: tuple):
+    """A deep copy of `model` in which the blocks outside [blocks[0], blocks[1]) are None
+    (not copied: `prune` drops them), so that a chunk's copy costs its own blocks only."""
+    keep = {str(i) for i in range(*blocks)}
+    memo = {id(m): None for k, m in model.blocks.items() if k not in keep}
+    return copy.deepcopy(model, memo)
