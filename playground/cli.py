@@ -357,7 +357,7 @@ def _main(args) -> int:
                   file=sys.stderr)
             return 2
         given = [f for f, v in (("--save", args.save), ("--resume", args.resume), ("--init-from", args.init_from),
-                                ("--data", args.data), ("--plots", args.plots), ("--count-every-step",
+                                ("--data", args.data), ("--count-every-step",
                                 args.count_every_step), ("--backend", args.backend != "sim")) if v]
         if given:
             print(f"playground plan: {', '.join(given)} belong to train: a plan runs no data and keeps no weights",
@@ -415,11 +415,16 @@ def _train(args, run) -> int:
 
 def _plan(args, run) -> int:
     from .planning import plan, plan_json, summary
+    from .report import _rank_ranges
     p = plan(run)
     print(summary(p))
     if args.trace:
         from simulator.trace import write_chrome_trace
-        write_chrome_trace(args.trace, p.ledger, None)
+        write_chrome_trace(args.trace, p.ledger, p.clocks, p.ran)
+        print(f"\ntrace: {args.trace}, the ranks that ran ({_rank_ranges(p.ran)}; open it in ui.perfetto.dev)")
+    if args.plots:
+        from .plots import write_plan_plots
+        print("\nplots: " + ", ".join(write_plan_plots(p, args.plots)))
     if args.json:
         from .summary import write_json
         write_json(args.json, plan_json(p))

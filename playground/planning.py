@@ -69,6 +69,8 @@ class Plan:
     ledger: object
     wall_s: float
     by_classes: bool = False  # one stand-in rank per pipeline stage ran
+    clocks: list = None  # every rank's RankClock (only those that ran have advanced)
+    ran: list = None  # the ranks that ran
 
     @property
     def step_s(self) -> float:
@@ -149,13 +151,15 @@ def plan(run, every_rank: bool = False) -> Plan:
     of = stand_ins(run.layout)
     by_classes = not every_rank and uniform_stages(run.layout, load_hardware(run.hardware).gpus_per_node)
     live = sorted(set(of.values())) if by_classes else None
-    res = launch(plan_rank, run.layout.world, args=(run,), time_model=SimulatedTime(run.hardware),
+    time_model = SimulatedTime(run.hardware)
+    res = launch(plan_rank, run.layout.world, args=(run,), time_model=time_model,
                  max_running=2 * (os.cpu_count() or 1), live=live)
     values, ledger = res.values, res.ledger
     if live is not None:  # every rank reports what its stand-in measured
         values = [values[of[r]] for r in range(run.layout.world)]
         ledger.per_rank = [ledger.per_rank[of[r]] for r in range(run.layout.world)]
-    return Plan(run, values, ledger, time.perf_counter() - t0, by_classes)
+    return Plan(run, values, ledger, time.perf_counter() - t0, by_classes, time_model.clocks,
+                live if by_classes else list(range(run.layout.world)))
 
 
 def _classes(rows: list) -> list:

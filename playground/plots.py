@@ -66,8 +66,9 @@ def _save(fig, path: str) -> None:
     plt.close(fig)
 
 
-def _stacked_per_rank(series: dict, ylabel: str, title: str, path: str) -> None:
-    """One bar per rank, stacked by the series ({name: one value per rank})."""
+def _stacked_per_rank(series: dict, ylabel: str, title: str, path: str, ticks=None) -> None:
+    """One bar per rank (or per class of ranks, named by `ticks`), stacked by the series
+    ({name: one value per bar})."""
     n = len(next(iter(series.values())))
     fig, ax = plt.subplots(figsize=(max(6, 0.5 * n + 3), 4))
     bottom = [0.0] * n
@@ -75,7 +76,9 @@ def _stacked_per_rank(series: dict, ylabel: str, title: str, path: str) -> None:
         ax.bar(range(n), vals, bottom=bottom, label=name, color=color)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xticks(range(n))
-    ax.set_xlabel("rank")
+    if ticks is not None:
+        ax.set_xticklabels(ticks, rotation=45 if n > 6 else 0, ha="right" if n > 6 else "center", fontsize=8)
+    ax.set_xlabel("rank" if ticks is None else "ranks (one bar per class of identical ranks)")
     ax.set_ylabel(ylabel)
     ax.set_ylim(0, max(bottom) * 1.08 if max(bottom) > 0 else 1)  # the tallest bar is not clipped
     ax.set_title(title, fontsize=9)
@@ -209,3 +212,48 @@ def write_check_plot(rep, directory: str) -> str:
     fig.suptitle(f"playground check: {rep.run.layout.describe()}, {rep.run.dtype}: {verdict}", fontsize=10)
     _save(fig, path)
     return path
+
+
+def write_plan_plots(p, directory: str) -> list:
+    """A plan's pictures (playground/planning.py), one bar per class of ranks with identical
+    figures: the step split, memory by category against HBM, and bytes sent per step by
+    label; the schedule with a pipeline."""
+    from simulator import load_hardware
+
+    from .planning import _classes
+    from .report import _rank_ranges
+    os.makedirs(directory, exist_ok=True)
+    per_rank = p.ledger.totals("label")
+    families = sorted({label_family(k) for labels in per_rank.values() for k in labels})
+    sent = [[sum(t.bytes_sent for k, t in per_rank[r].items() if label_family(k) == f) / 2 for f in families]
+            for r in range(len(p.values))]  # (a plan runs two steps)
+    mem_keys = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer",
+                "peak_activations": "activations (peak)", "peak_comm_buffers": "comm buffers (peak)"}
+    step_keys = {"compute": "compute", "exposed_comm": "exposed communication", "idle": "idle (bubble, waits)"}
+    rows = [(*(v["step"][k] for k in step_keys), *(v["memory"][k] for k in mem_keys), *s)
+            for v, s in zip(p.values, sent)]
+    classes = _classes(rows)
+    ticks = [_rank_ranges(ranks) for ranks, _ in classes]
+    col = lambda i: [row[i] for _, row in classes]  # noqa: E731
+    written = []
+    path = os.path.join(directory, "step.png")
+    _stacked_per_rank({name: [x * 1e3 for x in col(i)] for i, name in enumerate(step_keys.values())}, "ms",
+                      f"Planned step on {p.run.hardware} per class of ranks", path, ticks)
+    written.append(path)
+    path = os.path.join(directory, "memory.png")
+    _stacked_per_rank({name: [x / 2**30 for x in col(len(step_keys) + i)] for i, name in enumerate(mem_keys.values())},
+                      "GiB", f"Planned peak memory per class of ranks ({p.run.hardware} HBM: "
+                      f"{load_hardware(p.run.hardware).hbm_capacity / 2**30:.1f} GiB)", path, ticks)
+    written.append(path)
+    if families:
+        path = os.path.join(directory, "bytes.png")
+        first = len(step_keys) + len(mem_keys)
+        _stacked_per_rank({f: [x / 2**20 for x in col(first + i)] for i, f in enumerate(families)},
+                          "MiB sent per step", "Planned bytes each class of ranks sends per step, by ledger label",
+                          path, ticks)
+        written.append(path)
+    if p.run.layout.pp > 1:
+        path = os.path.join(directory, "schedule.png")
+        pipeline_schedule(p, path)
+        written.append(path)
+    return written

@@ -14,11 +14,13 @@ import os
 COMPUTE, COMM = 0, 1
 
 
-def chrome_trace(ledger, clocks) -> dict:
+def chrome_trace(ledger, clocks, ranks=None) -> dict:
     """The trace of a simulated run: `ledger` with start/end set (a hardware profile was
-    given) and every rank's RankClock."""
+    given) and every rank's RankClock; only `ranks` if given (a plan's stand-ins)."""
     events = []
     for rank, clock in enumerate(clocks):
+        if ranks is not None and rank not in ranks:
+            continue
         events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
         events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": COMPUTE, "args": {"name": "compute"}})
         events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": COMM, "args": {"name": "communication"}})
@@ -35,7 +37,7 @@ def chrome_trace(ledger, clocks) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ns"}
 
 
-def write_chrome_trace(path: str, ledger, clocks) -> None:
+def write_chrome_trace(path: str, ledger, clocks, ranks=None) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(chrome_trace(ledger, clocks), f)
+        json.dump(chrome_trace(ledger, clocks, None if ranks is None else set(ranks)), f)

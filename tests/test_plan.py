@@ -47,6 +47,15 @@ def test_plan_command_flags_what_does_not_fit(tmp_path):
     p = subprocess.run([sys.executable, "-m", "playground", "plan", "--model", "tiny", "--hardware", "h100-sxm",
                         "--save", str(tmp_path / "ck")], capture_output=True, text=True)
     assert p.returncode == 2 and "--save belong to train" in p.stderr and not (tmp_path / "ck").exists()
+    p = subprocess.run([sys.executable, "-m", "playground", "plan", "--model", "tiny", "--pp", "2", "--dp", "2",
+                        "--microbatches", "2", "--hardware", "h100-sxm", "--plots", str(tmp_path / "pics"),
+                        "--trace", str(tmp_path / "t.json")], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert sorted(f.name for f in (tmp_path / "pics").iterdir()) == ["bytes.png", "memory.png", "schedule.png",
+                                                                    "step.png"]
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 2}  # the stand-ins of the two stages
+    assert any(e.get("name") == "pp.activations" for e in events) and any(e.get("cat") == "compute" for e in events)
 
 
 @pytest.mark.parametrize("layout", [Layout(dp=4, tp=2, pp=2, microbatches=2, micro_batch_size=1, sequence_parallel=True),
