@@ -399,37 +399,46 @@ def _train(args, run) -> int:
     if not _is_rank0(run.backend):
         return 0
     print(train_summary(res))
-    if args.trace:
-        from simulator.trace import write_chrome_trace
-        write_chrome_trace(args.trace, res.ledger, res.clocks)
-        print(f"\ntrace: {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
-    if args.plots:
+
+    def plots(directory):  # (matplotlib is imported only when asked for)
         from .plots import write_plots
-        print("\nplots: " + ", ".join(write_plots(res, args.plots)))
-    if args.json:
-        from .summary import train_json, write_json
-        write_json(args.json, train_json(res))
-        print(f"\njson: {args.json}")
+        return write_plots(res, directory)
+    from .summary import train_json
+    _write_outputs(args, lambda path: _trace(path, res.ledger, res.clocks), plots, lambda: train_json(res))
     return 0
 
 
 def _plan(args, run) -> int:
     from .planning import plan, plan_json, summary
-    from .report import _rank_ranges
     p = plan(run)
     print(summary(p))
-    if args.trace:
-        from simulator.trace import write_chrome_trace
-        write_chrome_trace(args.trace, p.ledger, p.clocks, p.ran)
-        print(f"\ntrace: {args.trace}, the ranks that ran ({_rank_ranges(p.ran)}; open it in ui.perfetto.dev)")
-    if args.plots:
+
+    def plots(directory):
         from .plots import write_plan_plots
-        print("\nplots: " + ", ".join(write_plan_plots(p, args.plots)))
+        return write_plan_plots(p, directory)
+    _write_outputs(args, lambda path: _trace(path, p.ledger, p.clocks, p.ran), plots, lambda: plan_json(p))
+    return 0
+
+
+def _trace(path, ledger, clocks, ranks=None) -> str:
+    from simulator.trace import write_chrome_trace
+
+    from .report import _rank_ranges
+    write_chrome_trace(path, ledger, clocks, ranks)
+    which = "" if ranks is None else f", the ranks that ran ({_rank_ranges(ranks)})"
+    return f"trace: {path}{which} (open it in ui.perfetto.dev or chrome://tracing)"
+
+
+def _write_outputs(args, trace, plots, payload) -> None:
+    """--trace, --plots and --json of train and plan, each from its own writer."""
+    if args.trace:
+        print("\n" + trace(args.trace))
+    if args.plots:
+        print("\nplots: " + ", ".join(plots(args.plots)))
     if args.json:
         from .summary import write_json
-        write_json(args.json, plan_json(p))
+        write_json(args.json, payload())
         print(f"\njson: {args.json}")
-    return 0
 
 
 def _check(args, run) -> int:
