@@ -9,15 +9,7 @@ set -uo pipefail
 # (first run, 2026-11-30: the bf16 ring check failed with non-contiguous chunks passed to
 # the flash kernels, and float32 checks failed on weights by 2-13% of the tolerance with
 # gradient errors under 1.2e-6: AdamW's amplification of float32 rounding; logs kept)
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/gpu_run}; LOGS=${LOGS:-/tmp/gpu_logs}; mkdir -p "$OUT" "$LOGS"
-run() {  # name, nproc, timeout, playground args...
-  local name=$1 n=$2 t=$3; shift 3
-  timeout "$t" torchrun --nproc_per_node "$n" -m playground "$@" --backend torch --no-progress 2>&1 | grep -v "^W1" \
-    > "$LOGS/$name.log"
-  echo "== $name (exit ${PIPESTATUS[0]}): $(grep -E 'PASS|FAIL|throughput|measured peak|Error|error' "$LOGS/$name.log" | head -3 | tr '\n' ' ')"
-  tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .
-}
+source benchmarks/gpu_common.sh  # the environment, $OUT, $LOGS and run()
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$LOGS/gpus.txt"; python3 -c 'import torch; print(torch.__version__)' >> "$LOGS/gpus.txt"
 S="--model small --microbatches 2 --micro-batch-size 2"
 # float64 on the GPUs: the check's 1e-10 tolerance, no float32-AdamW noise in the verdict

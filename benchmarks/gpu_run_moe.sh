@@ -5,15 +5,7 @@
 # with ep 2 against ep 1 (the experts replicated), tokens/s and CUDA peak memory. Logs and
 # JSON in $LOGS, packed after every run into $OUT/gpu_logs.tgz.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/gpu_run}; LOGS=${LOGS:-/tmp/gpu_logs}; mkdir -p "$OUT" "$LOGS"
-run() {  # name, nproc, timeout, playground args...
-  local name=$1 n=$2 t=$3; shift 3
-  timeout "$t" torchrun --nproc_per_node "$n" -m playground "$@" --backend torch --no-progress 2>&1 | grep -v "^W1" \
-    > "$LOGS/$name.log"
-  echo "== $name (exit ${PIPESTATUS[0]}): $(grep -E 'PASS|FAIL|throughput|measured peak|Error|error' "$LOGS/$name.log" | head -3 | tr '\n' ' ')"
-  tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .
-}
+source benchmarks/gpu_common.sh  # the environment, $OUT, $LOGS and run()
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$LOGS/gpus.txt"
 S="--model small-moe --microbatches 2 --micro-batch-size 2"
 run check_ep2_float64          2 150 check $S --ep 2 --dtype float64

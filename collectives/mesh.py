@@ -42,11 +42,7 @@ class Mesh:
         return self._coords[self.names.index(self._check(axis))]
 
     def coords_of(self, rank: int) -> tuple:
-        out = []
-        for name in reversed(self.names):
-            rank, c = divmod(rank, self.shape[name])
-            out.append(c)
-        return tuple(reversed(out))
+        return coords_of(self.shape, rank)
 
     def rank_of(self, **coords: int) -> int:
         """Group rank at the given coordinates (missing axes: this rank's coordinate)."""
@@ -72,10 +68,7 @@ class Mesh:
         others = [n for n in self.names if n not in axes]
         mine = None
         for fixed in itertools.product(*(range(self.shape[n]) for n in others)):
-            base = dict(zip(others, fixed))
-            ranks = [self._rank_at({**base, **dict(zip(axes, var))})
-                     for var in itertools.product(*(range(self.shape[a]) for a in axes))]
-            g = self.parent.new_group(ranks)
+            g = self.parent.new_group(ranks_along(self.shape, dict(zip(others, fixed)), axes))
             if g is not None:
                 mine = g
         return mine
@@ -88,3 +81,22 @@ class Mesh:
 
     def __repr__(self) -> str:
         return f"Mesh({', '.join(f'{k}={v}' for k, v in self.shape.items())}; rank {self.rank} at {self._coords})"
+
+
+def coords_of(shape: dict, rank: int) -> tuple:
+    """The coordinates of `rank` on a mesh of `shape` ({axis: size}, outermost first)."""
+    out = []
+    for name in reversed(list(shape)):
+        rank, c = divmod(rank, shape[name])
+        out.append(c)
+    return tuple(reversed(out))
+
+
+def ranks_along(shape: dict, coords: dict, axes) -> list:
+    """The ranks of a mesh of `shape` that differ from `coords` only along `axes`, in group-rank
+    order (row-major over the axes, in mesh order); the group `Mesh.group(*axes)` makes."""
+    ranks = [0]
+    for name, n in shape.items():
+        values = range(n) if name in axes else (coords[name],)
+        ranks = [r * n + v for r in ranks for v in values]
+    return ranks

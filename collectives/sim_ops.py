@@ -14,7 +14,8 @@ import pickle
 
 import numpy as np
 
-from .reduce_op import reduce_arrays
+from .errors import CollectiveMismatchError
+from .reduce_op import ReduceOp, reduce_arrays
 
 
 def _flat(a: np.ndarray) -> np.ndarray:
@@ -218,8 +219,6 @@ def as_if_identical(call, n: int) -> None:
     """The result of `call` had every one of the group's n members made the same call with
     the same data (stand-ins: sim_world.py). Defined for the collectives whose result that
     fixes; others must be on meta tensors."""
-    from .errors import CollectiveMismatchError
-    from .reduce_op import ReduceOp
     b = call.bufs
     if call.op == "all_reduce":
         a = b["tensor"].array

@@ -257,7 +257,12 @@ def expert_mesh(mesh, layout):
     """The same ranks as `mesh`, with dp × cp seen as (edp, ep): expert-parallel groups of ep
     neighbouring dp × cp ranks, and the expert-data-parallel groups across them."""
     from collectives import Mesh
-    return Mesh(mesh.parent, pp=layout.pp, edp=layout.dp * layout.cp // layout.ep, ep=layout.ep, tp=layout.tp)
+    return Mesh(mesh.parent, **expert_mesh_axes(layout))
+
+
+def expert_mesh_axes(layout) -> dict:
+    ep = max(1, layout.ep)
+    return {"pp": layout.pp, "edp": layout.dp * layout.cp // ep, "ep": ep, "tp": layout.tp}
 
 
 def data_parallel_group(mesh, layout):

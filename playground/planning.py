@@ -32,12 +32,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from collectives import Mesh, ReduceOp, launch
+from collectives.mesh import coords_of, ranks_along
 from collectives.ledger import human_bytes
 from model import GPT
 from simulator import MemoryTracker, SimulatedTime, load_hardware
 from simulator.cost_model import placement
 
-from .parallelize import data_parallel_group, parallelize
+from .parallelize import data_parallel_group, expert_mesh_axes, parallelize
 from .report import _rank_ranges, bytes_per_step, table
 
 
@@ -68,9 +69,13 @@ class Plan:
     values: list  # per rank: {"step": {...}, "memory": {...}}
     ledger: object
     wall_s: float
-    by_classes: bool = False  # one stand-in rank per pipeline stage ran
-    clocks: list = None  # every rank's RankClock (only those that ran have advanced)
-    ran: list = None  # the ranks that ran
+    clocks: list  # every rank's RankClock (only those that ran have advanced)
+    ran: list  # the ranks that ran
+
+    @property
+    def by_classes(self) -> bool:
+        """Whether stand-ins ran, each for the ranks of its pipeline stage."""
+        return len(self.ran) < self.run.layout.world
 
     @property
     def step_s(self) -> float:
@@ -97,34 +102,14 @@ def placement_signature(layout, rank: int, gpus_per_node: int) -> tuple:
     for each group the layout makes (mesh.group of these axes, the expert mesh's groups) the
     nodes it spans and its ranks per node, and whether its pipeline neighbours share its node.
     Ranks of a stage with equal signatures time every call alike."""
-    shape = {"pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "tp": layout.tp}
-    coords = dict(zip(shape, _coords(rank, shape.values())))
-    ep = max(1, layout.ep)
-    eshape = {"pp": layout.pp, "edp": layout.dp * layout.cp // ep, "ep": ep, "tp": layout.tp}
-    ecoords = dict(zip(eshape, _coords(rank, eshape.values())))
-    sig = [placement(_group(shape, coords, axes), gpus_per_node)
+    shape, eshape = layout.mesh_axes(), expert_mesh_axes(layout)
+    coords, ecoords = (dict(zip(sh, coords_of(sh, rank))) for sh in (shape, eshape))
+    sig = [placement(ranks_along(shape, coords, axes), gpus_per_node)
            for axes in (("dp",), ("tp",), ("cp",), ("pp",), ("dp", "cp"), ("dp", "cp", "tp"))]
-    sig += [placement(_group(eshape, ecoords, axes), gpus_per_node) for axes in (("ep",), ("edp", "tp"))]
+    sig += [placement(ranks_along(eshape, ecoords, axes), gpus_per_node) for axes in (("ep",), ("edp", "tp"))]
     stride = layout.dp * layout.cp * layout.tp
     sig += [(rank + d * stride) % layout.world // gpus_per_node == rank // gpus_per_node for d in (-1, 1)]
     return tuple(sig)
-
-
-def _coords(rank: int, sizes) -> list:
-    out = []
-    for n in reversed(list(sizes)):
-        rank, c = divmod(rank, n)
-        out.append(c)
-    return out[::-1]
-
-
-def _group(shape: dict, coords: dict, axes) -> list:
-    """Ranks differing from `coords` only along `axes` (collectives/mesh.py's row-major order)."""
-    ranks = [0]
-    for name, n in shape.items():
-        values = range(n) if name in axes else (coords[name],)
-        ranks = [r * n + v for r in ranks for v in values]
-    return ranks
 
 
 def uniform_stages(layout, gpus_per_node: int) -> bool:
@@ -158,8 +143,7 @@ def plan(run, every_rank: bool = False) -> Plan:
     if live is not None:  # every rank reports what its stand-in measured
         values = [values[of[r]] for r in range(run.layout.world)]
         ledger.per_rank = [ledger.per_rank[of[r]] for r in range(run.layout.world)]
-    return Plan(run, values, ledger, time.perf_counter() - t0, by_classes, time_model.clocks,
-                live if by_classes else list(range(run.layout.world)))
+    return Plan(run, values, ledger, time.perf_counter() - t0, time_model.clocks, live or list(range(run.layout.world)))
 
 
 def _classes(rows: list) -> list:
@@ -180,8 +164,8 @@ def summary(p: Plan) -> str:
              f"step {p.step_s * 1e3:.1f} ms: {p.tokens_per_s:,.0f} tokens/s, MFU {100 * p.mfu:.1f}% "
              f"({cfg.flops_per_token():,} model FLOPs per token; planned in {p.wall_s:.1f} s, "
              + (f"one rank per pipeline stage standing for its {layout.world // layout.pp})" if p.by_classes else
-                "every rank run: the ranks of a stage sit differently across nodes)" if layout.world > layout.pp else
-                "every rank run)")]
+                "every rank run)" if uniform_stages(layout, hw.gpus_per_node) else
+                "every rank run: the ranks of a stage sit differently across nodes)")]
     rows = [[f"{v['step']['time'] * 1e3:.2f} ms", f"{v['step']['compute'] * 1e3:.2f} ms",
              f"{v['step']['exposed_comm'] * 1e3:.2f} ms", f"{v['step']['idle'] * 1e3:.2f} ms"] for v in p.values]
     lines.append("\nthe step per class of ranks (idle: waiting for peers, a pipeline's bubble included):")
