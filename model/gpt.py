@@ -113,8 +113,16 @@ class Block(nn.Module):
         self.attn = Attention(c)
         self.mlp_norm = RMSNorm(c.d_model, c.norm_eps)
         self.mlp = MoE(c) if moe else SwiGLU(c)
+        # activation checkpointing (activation_checkpointing.Recompute): runs `body` so that
+        # backward recomputes what forward did not keep; None: plain forward
+        self.recompute = None
 
     def forward(self, x, cos, sin):
+        if self.recompute is not None:
+            return self.recompute(self.body, x, cos, sin)
+        return self.body(x, cos, sin)
+
+    def body(self, x, cos, sin):
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 

@@ -162,6 +162,7 @@ class MoE(nn.Module):
         self.aux_scale = 1.0
         self.stats = MoEStats()
         self.index = None  # the block it sits in
+        self.recomputing = False  # activation checkpointing runs the forward again: record nothing
 
     # -- one token group -------------------------------------------------------------------
     def _apply_experts(self, x, counts):
@@ -183,6 +184,8 @@ class MoE(nn.Module):
         return aux, z
 
     def _record(self, aux, z, routed, dropped) -> None:
+        if self.recomputing:
+            return
         s = self.stats
         s.aux += _value(aux)
         s.z += _value(z)
@@ -233,6 +236,7 @@ class MoE(nn.Module):
             rows = torch.tensor(gr.rows[g], device=x.device)
             out[rows.unsqueeze(1), torch.tensor(seq, device=x.device).unsqueeze(0)] = y
             self._record(0, 0, r.routed, r.dropped)
-        self.stats.aux += _value(aux_total)
-        self.stats.z += _value(z_total)
+        if not self.recomputing:
+            self.stats.aux += _value(aux_total)
+            self.stats.z += _value(z_total)
         return _AddAuxLoss.apply(out, aux_total + z_total)

@@ -16,6 +16,7 @@ import runpy
 import sys
 import threading
 
+from activation_checkpointing import MODES as AC_MODES
 from model.config import DEFAULT_LR, PRESETS
 from pipeline.schedules import SCHEDULES
 from sequence_parallel.balance import BALANCES, IMPLEMENTATIONS
@@ -63,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--cp-balance", default="zigzag", choices=BALANCES,
                    help="which sequence chunks a cp rank holds: zigzag (rank r: chunks r and 2cp-1-r, equal causal "
                         "work) or contiguous (rank r: chunk r)")
+    g.add_argument("--ac", default="none", choices=AC_MODES,
+                   help="activation checkpointing of every block: full keeps only the block's input, selective also "
+                        "its matmul and attention outputs, and backward recomputes the rest (default: none)")
     g.add_argument("--seq-len", type=int, help="sequence length (default: the preset's)")
     m = common.add_argument_group("mixture of experts (the -moe presets, or --experts on any preset)")
     m.add_argument("--experts", type=int, help="experts per MoE block (default: the preset's; 0 for none)")
@@ -221,7 +225,8 @@ def run_config(args, default_steps: int, meta: bool = False):
         world=world, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
         schedule=args.schedule, microbatches=args.microbatches, virtual_stages=args.virtual_stages,
         sequence_parallel=args.sp, micro_batch_size=args.micro_batch_size,
-        stage_layers=_stage_layers(args.stage_layers), cp_impl=args.cp_impl, cp_balance=args.cp_balance)
+        stage_layers=_stage_layers(args.stage_layers), cp_impl=args.cp_impl, cp_balance=args.cp_balance,
+        ac=args.ac)
     if args.seq_len is not None and args.seq_len < 2:
         raise ValueError(f"--seq-len {args.seq_len}: must be at least 2")
     overrides = {k: v for k, v in (("seq_len", args.seq_len), ("n_experts", args.experts), ("moe_every", args.moe_every),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from activation_checkpointing import MODES as AC_MODES
 from pipeline import SCHEDULES, ScheduleError, build_schedule
 from sequence_parallel.balance import BALANCES, IMPLEMENTATIONS, n_chunks
 
@@ -43,6 +44,7 @@ class Layout:
     stage_layers: tuple | None = None  # blocks per pipeline stage (pp·virtual_stages of them); None: even
     cp_impl: str = "ring"  # context parallelism: "ring" attention or "ulysses" all-to-all
     cp_balance: str = "zigzag"  # which sequence chunks a cp rank holds: "zigzag" or "contiguous"
+    ac: str = "none"  # activation checkpointing of every block: "none", "full" or "selective"
 
     @property
     def world(self) -> int:
@@ -73,6 +75,8 @@ class Layout:
                                                         if self.virtual_stages > 1 else ""))
         if self.microbatches > 1:
             extra.append(f"{self.microbatches} microbatches")
+        if self.ac != "none":
+            extra.append(f"{self.ac} activation checkpointing")
         return f"{axes} (world {self.world})" + (", " + ", ".join(extra) if extra else "")
 
     @classmethod
@@ -145,6 +149,12 @@ class Layout:
         if c.n_experts and self.tp > 1 and not self.sequence_parallel:
             raise LayoutError(f"tp={self.tp} with experts needs --sp: each TP rank then routes its slice of the "
                               f"sequence, so no token reaches the experts twice")
+        if self.ac not in AC_MODES:
+            raise LayoutError(f"ac={self.ac!r}: choose one of {AC_MODES}")
+        if self.ac == "selective" and self.pp > 1 and self.schedule == "zb1":
+            raise LayoutError("ac='selective' with schedule 'zb1': the split backward runs two backward passes "
+                              "through each block (I, then W), and torch's selective checkpointing allows one; "
+                              "use ac='full' (W then recomputes the block again) or another schedule")
         if self.zero not in (0, 1, 2, 3):
             raise LayoutError(f"zero={self.zero}: choose 0, 1, 2 or 3")
         if self.schedule not in SCHEDULES:

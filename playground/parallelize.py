@@ -13,7 +13,8 @@ docs/architecture.md, "Composition"):
 4. expert parallelism (moe.parallelize_experts): each MoE layer keeps its EP rank's
    experts and dispatches tokens over all-to-alls; every MoE layer counts its load-balancing
    statistics over dp × cp;
-5. activation checkpointing, 6. compile: their transforms plug in here;
+5. activation checkpointing (activation_checkpointing.checkpoint_blocks): each block's
+   body runs under torch.utils.checkpoint, full or selective; 6. compile would plug in here;
 then every part is materialized on the device (each local tensor from its placement);
 7. data parallelism on each part over dp × cp (parameters are replicated across cp, as in
    Megatron and torchtitan): DDP, or ZeRO with the part's blocks as units; with expert
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from activation_checkpointing import checkpoint_blocks
 from ddp import DistributedDataParallel
 from model import placement_of
 from moe import expert_parameters, parallelize_experts
@@ -305,7 +307,10 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_di
     for part in parts:
         for layer in part.moe_layers():
             layer.stats_group = tokens if tokens.size > 1 else None  # f_i counted over the microbatch's ranks
-    # (5-6: activation checkpointing, compile plug in here)
+    # 5. activation checkpointing (6. compile would plug in here)
+    if layout.ac != "none":
+        for part in parts:
+            checkpoint_blocks(part, layout.ac, memory)
     for part in parts:
         part.materialize(device, run.seed, state_dict)
     # 7. data parallelism on each part
@@ -343,7 +348,11 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_di
                                                  grad_scale=expert_scale))
             wrappers.append(w)
         optimizer = ReplicatedAdamW(parts, run)
-        autocast = (torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16)
+        # autocast caches each weight's bf16 copy for the whole region (a pipeline's whole
+        # schedule), so a block's first forward may cast fewer weights than its recomputation,
+        # and selective checkpointing needs the same ops both times: no cache under checkpointing
+        autocast = (torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16,
+                                   cache_enabled=layout.ac == "none")
                     if run.dtype == "bfloat16" and device != "meta" else contextlib.nullcontext())
         hidden_dtype = run.param_dtype
     syncs = [Syncs(w) for w in wrappers]

@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
+from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode,
+                                          _get_current_dispatch_mode_stack, _pop_mode_temporarily)
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
@@ -115,7 +116,8 @@ class ComputeModel(TorchDispatchMode):
         FLOPs are counted as usual, their intermediate tensors move no HBM bytes; the
         region costs max(FLOPs / rate, io_bytes / bandwidth), io_bytes being what the kernel
         reads and writes in HBM."""
-        if self._fused is not None or _get_current_dispatch_mode() is not self:
+        # (the mode may sit below others: activation checkpointing pushes its own)
+        if self._fused is not None or self not in _get_current_dispatch_mode_stack():
             yield self  # nested (part of the outer kernel), or not counting (a replayed step)
             return
         self._fused = [0]

@@ -70,6 +70,18 @@ class MemoryTracker:
         self.peak_transient = 0  # the peak of activations + communication buffers together
         self._exclude: set = set()
         self._held: dict = {}  # storage id -> [bytes, how many saved tensors hold it]
+        self.tracking = False  # inside track_activations
+
+    def hold(self, t: torch.Tensor):
+        """A handle that counts `t`'s storage as activations for as long as it lives (None for
+        a parameter's). Autograd's saved tensors get one each; activation checkpointing
+        gives one to each output its selective policy keeps outside autograd."""
+        s = t.untyped_storage()
+        if s._cdata in self._exclude:
+            return None
+        # detached: holding the tensor itself would tie a saved output to its own grad_fn, a
+        # reference cycle that keeps a retained graph alive until the garbage collector runs
+        return _Saved(t.detach(), s._cdata, s.nbytes(), self)
 
     def _transient_changed(self) -> None:
         self.peak_transient = max(self.peak_transient, self.activations + self.comm_buffers)
@@ -88,18 +100,18 @@ class MemoryTracker:
         self._exclude = {storage_id(t) for t in exclude}
 
         def pack(t):
-            s = t.untyped_storage()
-            if s._cdata in self._exclude:
-                return t
-            # detached: holding the tensor itself would tie a saved output to its own grad_fn, a
-            # reference cycle that keeps a retained graph alive until the garbage collector runs
-            return _Saved(t.detach(), s._cdata, s.nbytes(), self)
+            handle = self.hold(t)
+            return t if handle is None else handle
 
         def unpack(x):
             return x.tensor if isinstance(x, _Saved) else x
 
-        with saved_tensors_hooks(pack, unpack):
-            yield self
+        self.tracking = True
+        try:
+            with saved_tensors_hooks(pack, unpack):
+                yield self
+        finally:
+            self.tracking = False
 
     @staticmethod
     def measure(tensors: dict) -> dict:

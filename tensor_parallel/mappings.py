@@ -35,7 +35,10 @@ def _all_gather_seq(x, group, label):
     part = x.transpose(0, 1).contiguous()
     out = torch.empty((part.shape[0] * group.size, *part.shape[1:]), dtype=x.dtype, device=x.device)
     group.all_gather(out, part, label=label)
-    return out.transpose(0, 1)
+    # batch-major again, once: each column-parallel matmul that reads it folds (b, s) into
+    # rows, and a strided view would make each of them copy it (and keep its own copy for
+    # backward: three copies of the gathered input per attention, two per MLP, when b > 1)
+    return out.transpose(0, 1).contiguous()
 
 
 def _reduce_scatter_seq(x, group, label):

@@ -274,11 +274,14 @@ class ZeroDataParallel(nn.Module):
             prev = blocks[k - 1] if k > 0 else None
             m.register_forward_pre_hook(self._pre_forward_hook(u, nxt))
             m.register_forward_hook(self._post_forward_hook(u, prev))
+            # a unit inside a checkpointed block (experts) runs its forward again in backward:
+            # activation checkpointing sets this while it does
+            m.recomputing = False
 
     def _pre_forward_hook(self, u, nxt):
         def hook(module, args):
             self._gather(u, wait=True)
-            if nxt is not None:
+            if nxt is not None and not getattr(module, "recomputing", False):
                 self._gather(nxt, wait=False)  # prefetch
         return hook
 
@@ -290,6 +293,8 @@ class ZeroDataParallel(nn.Module):
             return None
 
         def hook(module, args, output):
+            if getattr(module, "recomputing", False):  # its backward is next: keep it gathered until
+                return  # its gradients are accumulated (the unit's own backward frees it)
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(pre_backward)
             self._free(u)

@@ -1,0 +1,140 @@
+"""Activation checkpointing of transformer blocks (Chen et al. 2016, "Training Deep Nets
+with Sublinear Memory Cost"; Korthikanti et al. 2022, "Reducing Activation Recomputation
+in Large Transformer Models"), through `torch.utils.checkpoint` (non-reentrant):
+
+- "full": a block keeps only its input; its backward first runs its forward again.
+  Korthikanti et al. count 2sbh bytes per layer for it (fp16).
+- "selective": a block keeps its input and the outputs of its matmuls and attention
+  kernel (policy.py); backward recomputes the element-wise and normalisation ops from
+  them.
+
+The transform sets `block.recompute` on each block of a model part (the reference GPT's
+Block runs its body through it), after the tensor, context and expert transforms (whose
+module swaps and hooks are part of the body, so recomputation repeats their collectives)
+and before data parallelism (whose hooks sit on the block and on the parameters, outside
+the checkpointed body: ZeRO-3 gathers a block's parameters before its backward, and so
+before its recomputation).
+
+Recomputation must not count twice what a forward records: modules with a `recomputing`
+attribute see it set while their block's forward runs again (the MoE layers, whose
+forward adds up routing statistics; ZeRO-3's expert units, which keep their gathered
+parameters instead of freeing them and prefetching the next unit).
+
+Memory: autograd's saved-tensor hooks (the simulator's `MemoryTracker`) see what the
+checkpoint keeps of the block's inputs, but not the outputs the selective policy keeps
+(they are held by the checkpoint, outside autograd), so those are counted here, from
+the forward until the block's recomputation. What is not counted: the activations of the
+one block being recomputed during its own backward (held by the checkpoint, outside the
+hooks).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+
+from . import MODES
+from .policy import SelectivePolicy
+
+
+class _CountKept(TorchDispatchMode):
+    """Above the selective policy's caching mode during a checkpointed forward: gives the
+    memory tracker a handle for each output the policy keeps, held by the region."""
+
+    def __init__(self, region):
+        super().__init__()
+        self.region = region
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        region = self.region
+        if region.memory.tracking and region.policy.saves(func):
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    region.kept.append(region.memory.hold(t))
+        return out
+
+
+class _Region:
+    """One checkpointed call of a block: the function torch.utils.checkpoint runs, once in
+    forward and again (recomputation) in backward."""
+
+    def __init__(self, body, modules, policy, memory):
+        self.body, self.modules, self.policy, self.memory = body, modules, policy, memory
+        self.ran = False
+        self.kept = []  # memory handles of the outputs the selective policy keeps
+
+    def __call__(self, *args):
+        if not self.ran:
+            self.ran = True
+            return self.body(*args)
+        self.kept.clear()  # recomputation takes the kept outputs back
+        with _recomputing(self.modules):
+            return self.body(*args)
+
+    def contexts(self):
+        forward, recompute = create_selective_checkpoint_contexts(self.policy)
+        if self.memory is None:
+            return forward, recompute
+        return _Both(forward, _CountKept(self)), recompute
+
+
+class _Both:
+    """Enter two context managers in order, leave them in reverse (the caching mode first,
+    the counting mode on top of it)."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __enter__(self):
+        self.first.__enter__()
+        self.second.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.second.__exit__(*exc)
+        return self.first.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def _recomputing(modules):
+    for m in modules:
+        m.recomputing = True
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.recomputing = False
+
+
+class Recompute:
+    """`block.recompute`: runs the block's body(x, cos, sin) under torch.utils.checkpoint.
+    Without gradients (evaluation) the body runs plainly. RNG state is not saved: the
+    model has no random ops (no dropout), so recomputation is exact without it."""
+
+    def __init__(self, mode: str, block, memory=None):
+        if mode not in ("full", "selective"):
+            raise ValueError(f"activation checkpointing mode must be 'full' or 'selective', not {mode!r}")
+        self.mode, self.memory, self.block = mode, memory, block
+        self.policy = SelectivePolicy() if mode == "selective" else None
+
+    def __call__(self, body, *args):
+        if not torch.is_grad_enabled():
+            return body(*args)
+        # (looked up per call: data parallelism, applied after this transform, marks its units)
+        modules = [m for m in self.block.modules() if hasattr(m, "recomputing")]
+        region = _Region(body, modules, self.policy, self.memory)
+        context_fn = region.contexts if self.policy is not None else noop_context_fn
+        return checkpoint(region, *args, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn)
+
+
+def checkpoint_blocks(model, mode: str, memory=None) -> None:
+    """Checkpoint every block of `model` (a reference GPT or a pipeline stage's part) in
+    `mode` ("none" leaves it as it is); `memory`: the rank's MemoryTracker, if any."""
+    if mode not in MODES:
+        raise ValueError(f"activation checkpointing must be one of {', '.join(MODES)}, not {mode!r}")
+    for block in model.blocks.values():
+        block.recompute = None if mode == "none" else Recompute(mode, block, memory)

@@ -1,0 +1,115 @@
+"""Activation checkpointing (full and selective) on every strategy: the same loss, gradients
+and weights as one device without it, in float64; sabotaged recomputations that the check
+catches; the activations kept per layer against the block's term-by-term count (and full
+checkpointing's 2sbh of Korthikanti et al. 2022); the recomputation charged on the clock."""
+import pytest
+import torch
+
+import activation_checkpointing.checkpoint as ac
+from benchmarks.activation_checkpointing import per_layer, this_block
+from model import GPTConfig, preset
+from playground import Layout, LayoutError, RunConfig
+from playground.equivalence import check
+
+CFG = preset("tiny", vocab_size=61, n_layers=2)
+MOE = preset("tiny-moe", vocab_size=61)
+
+
+def _run(ac_mode, dtype="float64", steps=3, microbatches=2, sp=False, model=CFG, **axes):
+    return RunConfig(model=model, layout=Layout(sequence_parallel=sp, microbatches=microbatches, micro_batch_size=2,
+                                                ac=ac_mode, **axes), steps=steps, dtype=dtype, progress=False)
+
+
+LAYOUTS = {
+    "one-rank": {},
+    "dp2-zero3": dict(dp=2, zero=3),
+    "dp3-tp2-sp": dict(dp=3, tp=2, sp=True),
+    "pp2-dp2-zero1-interleaved": dict(pp=2, dp=2, zero=1, microbatches=4, schedule="interleaved",
+                                      virtual_stages=2, model=preset("tiny", vocab_size=61, n_layers=4)),
+    "cp2-ring-dp2": dict(cp=2, dp=2),
+    "cp2-ulysses": dict(cp=2, cp_impl="ulysses"),
+    "moe-ep2-tp2-sp-zero3": dict(dp=2, ep=2, tp=2, sp=True, zero=3, model=MOE),
+}
+
+
+def _assert_passed(rep):
+    assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
+    assert rep.worst("grad").max_rel < 1e-12 and rep.worst("weight").max_rel < 1e-10
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_checkpointing_matches_one_device(name, mode):
+    _assert_passed(check(_run(mode, **LAYOUTS[name])))
+
+
+def test_full_checkpointing_with_the_split_backward_of_zb1():
+    _assert_passed(check(_run("full", pp=2, dp=2, zero=1, microbatches=4, schedule="zb1")))
+
+
+def test_selective_checkpointing_in_bfloat16_under_a_pipeline():
+    """autocast's cache of weight casts spans the whole schedule: the recomputation must cast
+    as many weights as the first forward did (the model turns the cache off)."""
+    rep = check(_run("selective", dtype="bfloat16", pp=2, microbatches=4))
+    assert rep.passed, rep.problems
+
+
+# -- sabotage -------------------------------------------------------------------------------------------
+def _recompute_from_another_input(monkeypatch):
+    call = ac._Region.__call__
+
+    def perturbed(self, *args):
+        if self.ran:
+            args = (args[0] * (1 + 1e-3),) + args[1:]
+        return call(self, *args)
+    monkeypatch.setattr(ac._Region, "__call__", perturbed)
+
+
+def _recompute_without_telling_the_modules(monkeypatch):
+    import contextlib
+    monkeypatch.setattr(ac, "_recomputing", lambda modules: contextlib.nullcontext())
+
+
+@pytest.mark.parametrize("name,sabotage", [("dp3-tp2-sp", _recompute_from_another_input),
+                                           ("moe-ep2-tp2-sp-zero3", _recompute_without_telling_the_modules)],
+                         ids=["recompute-from-another-input", "recompute-without-telling-the-modules"])
+def test_sabotaged_recomputation_fails_the_check(name, sabotage, monkeypatch):
+    sabotage(monkeypatch)
+    rep = check(_run("full", steps=2, **LAYOUTS[name]))
+    assert not rep.passed
+    assert rep.problems or rep.worst("loss").max_rel > 1e-6 or rep.worst("grad").max_rel > 1e-6
+
+
+# -- memory and time --------------------------------------------------------------------------------------
+SMALL = GPTConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=176, seq_len=64)
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True)])
+def test_activations_per_layer_are_the_blocks_count(tp, sp):
+    """Micro-batch 2 (a strided sequence-parallel gather would be copied by each matmul);
+    grouped-query attention (k = 1/2)."""
+    got = {mode: per_layer(mode, SMALL, tp, sp, mbs=2, hardware="h100-sxm") for mode in ("none", "selective", "full")}
+    for mode, m in got.items():
+        assert m["per_sbh"] == pytest.approx(this_block(mode, SMALL, tp, sp), rel=1e-9), mode
+    assert got["full"]["per_sbh"] == 2 / (tp if sp else 1)  # the block input only, in bf16 (2sbh)
+    # the recomputation is charged: each mode's layer costs more time than keeping everything
+    assert got["none"]["layer_step_s"] < got["selective"]["layer_step_s"] < got["full"]["layer_step_s"]
+
+
+def test_bad_ac_values_are_refused_with_the_reason():
+    with pytest.raises(LayoutError, match="ac='partial'"):
+        Layout(ac="partial").validate(CFG)
+    with pytest.raises(LayoutError, match="selective.*zb1.*allows one"):
+        Layout(pp=2, microbatches=2, schedule="zb1", ac="selective").validate(CFG)
+
+
+def test_no_gradients_no_checkpoint():
+    """Evaluation (no gradients) runs the blocks plainly."""
+    from activation_checkpointing import checkpoint_blocks
+    from model import GPT
+    m = GPT(CFG, dtype=torch.float64)
+    x = torch.randint(0, 61, (2, 8))
+    with torch.no_grad():
+        want = m(x)
+        checkpoint_blocks(m, "full")
+        assert torch.equal(m(x), want)
