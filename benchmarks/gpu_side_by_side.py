@@ -26,6 +26,7 @@ import torch.distributed as dist  # noqa: E402
 
 from activation_checkpointing import checkpoint_blocks  # noqa: E402
 from model import GPT, preset  # noqa: E402
+from playground.parallelize import compile_blocks  # noqa: E402
 from simulator import load_hardware  # noqa: E402
 
 
@@ -36,6 +37,7 @@ def main() -> None:
     ap.add_argument("--mbs", type=int, default=4, help="sequences per rank per step")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--ac", default="none", choices=["none", "full", "selective"])
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block's body (as playground --compile)")
     ap.add_argument("--hardware", default="h200", help="the profile whose peak FLOP/s MFU is taken of")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -46,6 +48,8 @@ def main() -> None:
     cfg = preset(a.model)
     model = GPT(cfg, seed=0, dtype=torch.float32, device="cuda")
     checkpoint_blocks(model, a.ac)
+    if a.compile:
+        compile_blocks(model)
     autocast = True
     if a.mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -77,9 +81,9 @@ def main() -> None:
     step = statistics.median(times[3:])
     tokens = world * a.mbs * cfg.seq_len / step
     peak = load_hardware(a.hardware).peak_bf16_flops
-    out = {"side": "torch", "mode": a.mode, "model": a.model, "world": world, "mbs": a.mbs, "ac": a.ac,
+    out = {"side": "torch", "mode": a.mode, "model": a.model, "world": world, "mbs": a.mbs, "ac": a.ac, "compile": a.compile,
            "median_step_s": step, "tokens_per_s": tokens, "mfu": tokens / world * cfg.flops_per_token() / peak,
-           "cuda_peak_allocated": torch.cuda.max_memory_allocated(), "loss": float(loss)}
+           "cuda_peak_allocated": torch.cuda.max_memory_allocated(), "loss": loss.item()}
     if rank == 0:
         print(json.dumps(out), flush=True)
         if a.json:

@@ -96,6 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0, help="seed of the weights and of the data")
     t.add_argument("--data", help="'markov' (default: a synthetic chain with a known loss floor), a text file (read "
                                   "as bytes), or token ids (.npy of integers, or .bin of uint16)")
+    t.add_argument("--compile", action="store_true",
+                   help="torch.compile each block (backends torch and gloo; with --ac none or full)")
     t.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size in MiB")
     t.add_argument("--backend", default="sim", choices=["sim", "gloo", "torch"],
                    help="sim: ranks as threads of this process; gloo: local processes; torch: one rank of a "
@@ -255,7 +257,7 @@ def run_config(args, default_steps: int, meta: bool = False):
                     reduce_dtype=args.reduce_dtype, seed=args.seed, data=args.data, bucket_cap_mb=args.bucket_mb,
                     backend=args.backend, progress=not args.no_progress, hardware=args.hardware,
                     count_every_step=args.count_every_step, save=args.save, save_every=args.save_every,
-                    resume=args.resume, init_from=args.init_from)
+                    resume=args.resume, init_from=args.init_from, compile=args.compile)
     if run.backend == "sim" and not meta:  # (a plan's ranks hold meta tensors: no memory)
         check_simulated_memory(run)
     return run
@@ -363,7 +365,8 @@ def _main(args) -> int:
             return 2
         given = [f for f, v in (("--save", args.save), ("--resume", args.resume), ("--init-from", args.init_from),
                                 ("--data", args.data), ("--count-every-step",
-                                args.count_every_step), ("--backend", args.backend != "sim")) if v]
+                                args.count_every_step), ("--backend", args.backend != "sim"),
+                                ("--compile", args.compile)) if v]
         if given:
             print(f"playground plan: {', '.join(given)} belong to train: a plan runs no data and keeps no weights",
                   file=sys.stderr)

@@ -14,7 +14,8 @@ docs/architecture.md, "Composition"):
    experts and dispatches tokens over all-to-alls; every MoE layer counts its load-balancing
    statistics over dp × cp;
 5. activation checkpointing (activation_checkpointing.checkpoint_blocks): each block's
-   body runs under torch.utils.checkpoint, full or selective; 6. compile would plug in here;
+   body runs under torch.utils.checkpoint, full or selective; 6. compile (`compile_blocks`):
+   each block's body through torch.compile (the hooks of data parallelism stay outside it);
 then every part is materialized on the device (each local tensor from its placement);
 7. data parallelism on each part over dp × cp (parameters are replicated across cp, as in
    Megatron and torchtitan): DDP, or ZeRO with the part's blocks as units; with expert
@@ -37,9 +38,11 @@ import torch
 from activation_checkpointing import checkpoint_blocks
 from ddp import DistributedDataParallel
 from model import placement_of
+from model.optimizer import adamw, step_count
 from moe import expert_parameters, parallelize_experts
 from pipeline import PipelineExecutor, build_schedule, split_stages
 from sequence_parallel import parallelize_context, shard_sequence
+from simulator.memory import storage_bytes
 from tensor_parallel import parallelize_tensor
 from zero import ZeroDataParallel
 
@@ -98,7 +101,7 @@ class Syncs:
             yield
 
     def scale_loss(self, loss):
-        return self.wrappers[0].scale_loss(loss)
+        return self.wrappers[0].scale_loss(loss) if self.wrappers else loss
 
 
 # -- what the optimizer holds --------------------------------------------------------------------
@@ -106,14 +109,19 @@ class ReplicatedAdamW:
     """torch's AdamW on the local parameters (whole, or tensor-parallel slices) of every
     part; data parallelism keeps them equal across the replicas (DDP)."""
 
-    def __init__(self, parts: list, run):
-        self.parts = parts
-        self.optimizer = torch.optim.AdamW([p for m in parts for p in m.parameters()], lr=run.lr, betas=run.betas,
-                                           weight_decay=run.weight_decay)
+    def __init__(self, parts: list, run, buckets: bool = True):
+        """`buckets`: the gradients are views into DDP's buckets (zeroed in place after each
+        step); otherwise they are freed after each step, as torch's `zero_grad` does, so that
+        they do not take memory while the next forward's activations peak."""
+        self.parts, self.buckets = parts, buckets
+        self.optimizer = adamw([p for m in parts for p in m.parameters()], lr=run.lr, betas=run.betas,
+                               weight_decay=run.weight_decay)
 
     def step(self) -> None:
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)  # in place: the gradients stay views into DDP's buckets
+        if not self.buckets:  # what the gradients took during backward, for the memory report
+            self.grad_bytes = storage_bytes(p.grad for m in self.parts for p in m.parameters())
+        self.optimizer.zero_grad(set_to_none=not self.buckets)
 
     def pieces(self, what: str) -> list:
         out = []
@@ -127,7 +135,8 @@ class ReplicatedAdamW:
     def state_tensors(self) -> dict:
         params = [p for m in self.parts for p in m.parameters()]
         states = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-        return {"parameters": params, "gradients": [p.grad for p in params], "optimizer": states}
+        grads = [p.grad for p in params] if self.buckets else getattr(self, "grad_bytes", 0)
+        return {"parameters": params, "gradients": grads, "optimizer": states}
 
     def state_pieces(self) -> list:
         """[(kind, Placement, tensor)]: the weights ("param") and AdamW's moments of every
@@ -149,7 +158,7 @@ class ReplicatedAdamW:
                 p.copy_(fill("param", pl))
                 if step:
                     state = self.optimizer.state[p]
-                    state["step"] = torch.tensor(float(step))
+                    state["step"] = step_count(self.optimizer, p, step)
                     for kind in ("exp_avg", "exp_avg_sq"):
                         state[kind] = fill(kind, pl).to(p.dtype).to(p.device).clone()
 
@@ -251,6 +260,15 @@ class ParallelModel:
         self.optimizer.load_state(fill, step)
 
 
+def compile_blocks(model, backend: str = "inductor") -> None:
+    """torch.compile each block's body (its attention and MLP, with the tensor- and context-
+    parallel modules inside), as torchtitan compiles per block: one graph serves every block
+    (their code is the same, the modules are inputs). The block's own call, and the hooks
+    data parallelism puts on it, stay eager."""
+    for block in model.blocks.values():
+        block.body = torch.compile(block.body, backend=backend)
+
+
 def _uses_zero(run) -> bool:
     return bool(run.layout.zero) or run.dtype == "float16" or (run.dtype == "bfloat16" and run.bf16_copies)
 
@@ -307,10 +325,13 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_di
     for part in parts:
         for layer in part.moe_layers():
             layer.stats_group = tokens if tokens.size > 1 else None  # f_i counted over the microbatch's ranks
-    # 5. activation checkpointing (6. compile would plug in here)
+    # 5. activation checkpointing, 6. compile
     if layout.ac != "none":
         for part in parts:
             checkpoint_blocks(part, layout.ac, memory)
+    if run.compile:
+        for part in parts:
+            compile_blocks(part)
     for part in parts:
         part.materialize(device, run.seed, state_dict)
     # 7. data parallelism on each part
@@ -338,16 +359,19 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_di
         autocast = contextlib.nullcontext()  # ZeRO computes in its compute copies' dtype
         hidden_dtype = torch_dtype(run.dtype) if run.dtype in ("bfloat16", "float16") else run.param_dtype
     else:
+        # a replica group of one rank has nothing to average: no wrapper, no buckets (the
+        # experts' wrapper stays where it scales their gradients)
         wrappers = []
         for s, part, mine in zip(stages, parts, experts):
             dense = [p for p in part.parameters() if all(p is not q for q in mine)]
-            w = [DistributedDataParallel(part, dp, bucket_cap_mb=run.bucket_cap_mb, label=label(s, "ddp"), params=dense)]
-            if mine:
+            w = [DistributedDataParallel(part, dp, bucket_cap_mb=run.bucket_cap_mb, label=label(s, "ddp"), params=dense)
+                 ] if dp.size > 1 else []
+            if mine and (edp_group.size > 1 or expert_scale != 1):
                 w.append(DistributedDataParallel(part, edp_group, bucket_cap_mb=run.bucket_cap_mb,
                                                  label=label(s, "ddp.experts"), params=mine,
                                                  grad_scale=expert_scale))
             wrappers.append(w)
-        optimizer = ReplicatedAdamW(parts, run)
+        optimizer = ReplicatedAdamW(parts, run, buckets=any(wrappers))
         # autocast caches each weight's bf16 copy for the whole region (a pipeline's whole
         # schedule), so a block's first forward may cast fewer weights than its recomputation,
         # and selective checkpointing needs the same ops both times: no cache under checkpointing

@@ -48,6 +48,7 @@ class RunConfig:
     save_every: int | None = None
     resume: str | None = None  # a checkpoint folder to continue from (any layout)
     init_from: str | None = None  # a state_dict file of the reference GPT to start from
+    compile: bool = False  # torch.compile each block's body (real backends: the simulator counts ops one by one)
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(DTYPES)}")
@@ -66,6 +67,12 @@ class RunConfig:
             raise ValueError("--save-every needs --save DIR")
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.compile and self.backend == "sim":
+            raise ValueError("--compile runs the blocks as torch.compile's fused kernels, which the simulator cannot "
+                             "count op by op: use it with --backend torch (or gloo)")
+        if self.compile and self.layout.ac == "selective":
+            raise ValueError("--compile with --ac selective: the selective policy intercepts each op of the eager "
+                             "block; use --ac full with --compile")
         if self.hardware is not None and self.backend != "sim":
             raise ValueError(f"--hardware simulates time on the sim backend; backend {self.backend!r} measures it")
 

@@ -45,6 +45,34 @@ class SharedBatches:
             return self.batch
 
 
+class Prefetch:
+    """On a GPU: this rank's rows of the next step's batch are made on a background thread
+    (as a DataLoader worker would) while the device runs this step, in pinned memory, and
+    copied without blocking the host. Making a batch is host work (the synthetic source
+    walks its chain token by token: milliseconds per step) that would otherwise leave the
+    device idle between steps."""
+
+    def __init__(self, source, n: int, seq_len: int, rows: slice, device: str):
+        from concurrent.futures import ThreadPoolExecutor
+        self.source, self.n, self.seq_len, self.rows, self.device = source, n, seq_len, rows, device
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+        self.pending: dict = {}
+        self.held = None  # the pinned batch of the copy in flight (kept alive until it is done)
+
+    def _make(self, step: int):
+        return self.source.global_batch(step, self.n, self.seq_len)[self.rows].pin_memory()
+
+    def batch(self, step: int, last: int) -> torch.Tensor:
+        future = self.pending.pop(step, None) or self.pool.submit(self._make, step)
+        if step + 1 < last:
+            self.pending[step + 1] = self.pool.submit(self._make, step + 1)
+        self.held = future.result()
+        return self.held.to(self.device, non_blocking=True)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
 def _device(run: RunConfig) -> str:
     if run.backend == "torch" and torch.cuda.is_available():
         return f"cuda:{torch.cuda.current_device()}"
@@ -87,14 +115,23 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
     timing = world.timing if run.hardware else None  # the simulator's clock and compute model
     clock = timing.clock if timing else None
     bar = _progress_bar(run.steps) if run.progress and world.rank == 0 else None
+    # on a GPU with no progress bar to show it, each step's loss is read after the run: reading
+    # it (and waiting for its average) at every step would stall the host until the device is idle
+    deferred = device.startswith("cuda") and bar is None and not run.save
+    losses = []
+    prefetch = (Prefetch(source, layout.global_batch, cfg.seq_len, slice(dp.rank * rows, (dp.rank + 1) * rows), device)
+                if device.startswith("cuda") else None)
     for i, step in enumerate(range(start, start + run.steps)):  # (the data is a function of the step)
         t0 = time.perf_counter()
         replay = None if run.count_every_step else ("record" if i == 1 else "replay" if i > 1 else None)
         counted = timing.compute_model.step(replay) if timing else contextlib.nullcontext()
         with counted:  # op counting: on, recorded, or replayed with counting off
             sim0 = clock.breakdown() if clock else None
-            batch = source.global_batch(step, layout.global_batch, cfg.seq_len)
-            local = batch[dp.rank * rows:(dp.rank + 1) * rows].to(device)
+            if prefetch is not None:
+                local = prefetch.batch(step, start + run.steps)
+            else:
+                batch = source.global_batch(step, layout.global_batch, cfg.seq_len)
+                local = batch[dp.rank * rows:(dp.rank + 1) * rows].to(device)
             micro = local.split(layout.micro_batch_size)
             track = (lambda: memory.track_activations(exclude=model.params)) if run.hardware and replay != "replay" \
                 else contextlib.nullcontext  # a replayed step's activations are the recorded one's
@@ -104,12 +141,16 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
             model.step()
             if cfg.n_experts:  # this rank's routing statistics of the step, per MoE layer it holds
                 out["moe"].append({layer.index: asdict(layer.stats) for layer in model.moe_layers})
-            replicas.all_reduce(total, op=ReduceOp.AVG, label="metrics.loss")
-            out["memory"] = memory.snapshot(states=MemoryTracker.measure(model.state_tensors()))
+            work = replicas.all_reduce(total, op=ReduceOp.AVG, label="metrics.loss", async_op=deferred)
+            if i == run.steps - 1:  # model states after the last step; the peaks are the tracker's own
+                out["memory"] = memory.snapshot(states=MemoryTracker.measure(model.state_tensors()))
             if clock:
                 sim1 = clock.breakdown()
                 out["sim_steps"].append({k: sim1[k] - sim0[k] for k in sim1})
-            out["losses"].append(total.item())
+            if deferred:
+                losses.append((work, total))
+            else:
+                out["losses"].append(total.item())
         out["step_times"].append(time.perf_counter() - t0)
         if run.save and ((i + 1) % (run.save_every or run.steps) == 0 or i == run.steps - 1):
             checkpoint.save(world, model, run.save, step + 1, checkpoint.metadata(run, model))
@@ -118,6 +159,11 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
             bar.update()
     if bar is not None:
         bar.close()
+    if prefetch is not None:
+        prefetch.close()
+    for work, total in losses:
+        work.wait()
+        out["losses"].append(total.item())
     if device.startswith("cuda"):  # to hold the accounting against what the allocator saw
         out["cuda_peak_allocated"] = torch.cuda.max_memory_allocated()
     if collect:

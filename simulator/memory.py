@@ -115,8 +115,9 @@ class MemoryTracker:
 
     @staticmethod
     def measure(tensors: dict) -> dict:
-        """Bytes by category of {category: [tensors]} (each storage once per category)."""
-        return {k: storage_bytes(v) for k, v in tensors.items()}
+        """Bytes by category of {category: [tensors]} (each storage once per category); a
+        category given as a number of bytes (what tensors freed since then held) is kept."""
+        return {k: v if isinstance(v, int) else storage_bytes(v) for k, v in tensors.items()}
 
     @staticmethod
     def model_states(model, optimizer=None) -> dict:

@@ -113,3 +113,32 @@ def test_no_gradients_no_checkpoint():
         want = m(x)
         checkpoint_blocks(m, "full")
         assert torch.equal(m(x), want)
+
+
+# -- compile -------------------------------------------------------------------------------------------------
+def test_compiled_blocks_compute_the_same_loss_and_gradients():
+    """The compile transform keeps the numbers (dynamo's graphs run eagerly here: inductor's
+    kernels are the GPU's business), with and without full checkpointing."""
+    from activation_checkpointing import checkpoint_blocks
+    from model import GPT
+    from playground.parallelize import compile_blocks
+    x = torch.randint(0, 61, (2, 17))
+    got = {}
+    for name, ac_mode, compiled in (("eager", "none", False), ("compiled", "none", True), ("both", "full", True)):
+        m = GPT(CFG, dtype=torch.float64)
+        checkpoint_blocks(m, ac_mode)
+        if compiled:
+            compile_blocks(m, backend="eager")
+        loss = m(x[:, :-1], x[:, 1:])
+        loss.backward()
+        got[name] = (loss.detach(), [p.grad for p in m.parameters()])
+    for name in ("compiled", "both"):
+        assert torch.equal(got[name][0], got["eager"][0])
+        assert all(torch.allclose(a, b, rtol=1e-12, atol=0) for a, b in zip(got[name][1], got["eager"][1]))
+
+
+def test_compile_is_refused_where_it_cannot_run():
+    with pytest.raises(ValueError, match="--compile.*--backend torch"):
+        RunConfig(model=CFG, compile=True)
+    with pytest.raises(ValueError, match="--compile with --ac selective"):
+        RunConfig(model=CFG, layout=Layout(ac="selective"), compile=True, backend="gloo")

@@ -50,6 +50,7 @@ from torch import nn
 
 from collectives import ReduceOp
 from model.grad_hooks import GradientReady
+from model.optimizer import adamw, step_count
 from model.placement import placement_of
 
 from .flat_unit import FlatUnit
@@ -115,8 +116,7 @@ class ZeroDataParallel(nn.Module):
             u.grad_flat = torch.zeros(u.padded, dtype=self.compute_dtype, device=u.flat.device) if stage < 2 else None
             u.grad_shard = torch.zeros(u.shard, dtype=self.compute_dtype, device=u.flat.device) if stage >= 2 else None
             u.reduce = None  # (work, buffer) of the gradient reduction in flight
-        self.optimizer = torch.optim.AdamW([u.master for u in self.units], lr=lr, betas=betas, eps=eps,
-                                           weight_decay=weight_decay)
+        self.optimizer = adamw([u.master for u in self.units], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self._in_flight: list = []  # units whose gradient reduction is in flight, oldest first
         self.ready = GradientReady(self.units, lambda u: u.params, on_ready=self._unit_ready,
                                    on_end=self._end_of_backward, on_grad=self._grad_arrived)
@@ -337,7 +337,7 @@ class ZeroDataParallel(nn.Module):
         for u in self.units:
             state = self.optimizer.state[u.master]
             if step:
-                state["step"] = torch.tensor(float(step))
+                state["step"] = step_count(self.optimizer, u.master, step)
                 for kind in ("exp_avg", "exp_avg_sq"):
                     state.setdefault(kind, torch.zeros_like(u.master, memory_format=torch.preserve_format))
             for pl, loc in u.owned():
