@@ -133,6 +133,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="what a layout would cost on --hardware: every rank's program on meta tensors (no data)")
     pl.add_argument("--global-batch", type=int, help="sequences per step (default: dp × microbatches × micro-batch "
                                                      "size); sets the microbatches")
+    pl.add_argument("--search", action="store_true",
+                    help="plan every layout of --world for --global-batch (tp, pp, cp, ep, ZeRO, schedule, micro-batch "
+                         "size, --ac) and print the fastest that fit; --tp/--pp/--cp/--ep given fix those axes")
+    pl.add_argument("--top", type=int, default=10, help="with --search: how many layouts to print")
     pl.set_defaults(dtype="bfloat16")
     e = sub.add_parser("export", formatter_class=_Help,
                        help="write a checkpoint's weights as the reference GPT's plain state_dict")
@@ -371,6 +375,8 @@ def _main(args) -> int:
             print(f"playground plan: {', '.join(given)} belong to train: a plan runs no data and keeps no weights",
                   file=sys.stderr)
             return 2
+        if args.search:
+            return _search(args)
         if args.global_batch is not None:
             dp, mbs = args.dp or 1, args.micro_batch_size
             if args.global_batch % (dp * mbs):
@@ -426,6 +432,29 @@ def _plan(args, run) -> int:
         return write_plan_plots(p, directory)
     _write_outputs(args, lambda path: _trace(path, p.ledger, p.clocks, p.ran), plots, lambda: plan_json(p))
     return 0
+
+
+def _search(args) -> int:
+    from .search import search, search_summary
+    if args.world is None or args.global_batch is None:
+        print("playground plan --search: give --world N and --global-batch B (the layouts are what it finds)",
+              file=sys.stderr)
+        return 2
+    given = [f for f, v in (("--json", args.json), ("--plots", args.plots), ("--trace", args.trace)) if v]
+    if given:
+        print(f"playground plan --search: {', '.join(given)} describe one plan: plan the layout the search found",
+              file=sys.stderr)
+        return 2
+    fixed = {"tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep}
+    args.dp = args.tp = args.pp = args.cp = args.ep = None  # the template's layout: dp = world
+    try:
+        run = run_config(args, default_steps=3, meta=True)
+    except ValueError as e:
+        print(f"playground plan: {e}", file=sys.stderr)
+        return 2
+    res = search(run, args.world, args.global_batch, fixed)
+    print(search_summary(res, run, args.top))
+    return 0 if res.fits else 1
 
 
 def _trace(path, ledger, clocks, ranks=None) -> str:

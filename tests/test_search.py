@@ -1,0 +1,65 @@
+"""`playground plan --search`: the candidates are the layouts the world and batch allow, the
+memory pre-filter never rejects what would fit (a lower bound of the planned states), and
+the layouts that fit come out fastest first, each equal to planning it alone."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from model import preset
+from playground import Layout, RunConfig
+from playground.planning import plan
+from playground.search import candidates, model_states_bound, search
+
+CFG = preset("tiny", n_layers=4)
+
+
+def test_candidates_fill_the_world_and_the_batch():
+    got = candidates(CFG, 8, 16, gpus_per_node=4)
+    assert got and len(set(got)) == len(got)
+    for layout in got:
+        assert layout.world == 8 and layout.global_batch == 16 and layout.tp <= 4
+        assert layout.zero in (1, 3) and (layout.pp == 1 or layout.zero == 1)
+        assert layout.sequence_parallel == (layout.tp > 1)
+    assert {lay.ac for lay in got} == {"none", "selective", "full"}
+    assert any(lay.schedule == "interleaved" for lay in got)
+    fixed = candidates(CFG, 8, 16, gpus_per_node=8, fixed={"tp": 2, "pp": 2})
+    assert fixed and all(lay.tp == 2 and lay.pp == 2 for lay in fixed)
+
+
+@pytest.mark.parametrize("axes", [dict(dp=4, zero=1), dict(dp=2, tp=2, zero=3, sequence_parallel=True),
+                                  dict(dp=2, pp=2, zero=1, microbatches=2)])
+def test_the_memory_bound_is_below_the_planned_model_states(axes):
+    layout = Layout(micro_batch_size=1, **axes)
+    p = plan(RunConfig(model=CFG, layout=layout, dtype="bfloat16", hardware="h100-sxm", progress=False))
+    states = max(v["memory"]["parameters"] + v["memory"]["gradients"] + v["memory"]["optimizer"] for v in p.values)
+    assert model_states_bound(CFG, layout) <= states <= 1.5 * model_states_bound(CFG, layout)
+
+
+def test_search_ranks_what_fits_and_says_why_the_rest_did_not(tmp_path):
+    small_hbm = dict(name="tiny-hbm", peak_bf16_flops=989e12, matmul_fraction=0.8, hbm_bandwidth=3.35e12,
+                     hbm_fraction=0.9, hbm_capacity=400_000, nvlink_bandwidth=450e9, network_bandwidth=50e9,
+                     nvlink_latency=2e-6, network_latency=5e-6, gpus_per_node=8)
+    hw = tmp_path / "tiny.json"
+    hw.write_text(json.dumps(small_hbm))
+    run = RunConfig(model=CFG, dtype="bfloat16", hardware=str(hw), progress=False)
+    res = search(run, 4, 4, fixed={"tp": 1})
+    kinds = {kind for _, kind, _ in res.rejected}
+    assert res.fits and "planned peak exceeds HBM" in kinds and "model states exceed HBM" in kinds
+    steps = [p.step_s for p, _ in res.fits]
+    assert steps == sorted(steps)
+    best_plan, best = res.fits[0]
+    again = plan(RunConfig(model=CFG, layout=best, dtype="bfloat16", hardware=str(hw), progress=False))
+    assert again.step_s == pytest.approx(best_plan.step_s, rel=1e-12)
+    assert res.considered == len(res.fits) + len(res.rejected)
+    # a layout that fits without recomputation is not planned with it
+    fits = {lay for _, lay in res.fits}
+    assert not any(lay.ac != "none" and lay.__class__(**{**lay.to_dict(), "ac": "none"}) in fits for lay in fits)
+    assert "dominated" in kinds
+
+
+def test_search_needs_the_world_and_the_batch():
+    r = subprocess.run([sys.executable, "-m", "playground", "plan", "--search", "--hardware", "h100-sxm"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--world N and --global-batch B" in r.stderr
