@@ -235,7 +235,7 @@ class SimWorld:
             cls, msg = slot.error
             raise cls(msg)
         if slot.end is not None:
-            self.time_model.waited(rank, slot.start, slot.end)
+            self.time_model.waited(rank, slot.start, slot.end, call.label)
 
     def _wake(self, rank: int) -> None:
         """Under the mutex: release a blocked rank (once)."""

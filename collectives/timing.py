@@ -32,8 +32,8 @@ class TimeModel:
         bytes per rank where the chosen algorithm is not the ring, else None."""
         return 0.0, 0.0, None, None
 
-    def waited(self, rank: int, start: float, end: float) -> None:
-        """`rank` waited for a call that ran over [start, end]."""
+    def waited(self, rank: int, start: float, end: float, label: str | None = None) -> None:
+        """`rank` waited for a call (labelled `label`) that ran over [start, end]."""
 
     def rank_finished(self, rank: int) -> None:
         """The program of `rank` returned."""

@@ -26,21 +26,23 @@ def _rank(world, run, costs):
     rows = layout.global_batch // layout.dp
     dp = mesh.group("dp")
     micro = batch[dp.rank * rows:(dp.rank + 1) * rows].split(layout.micro_batch_size)
-    t0 = world.timing.clock.now
+    clock = world.timing.clock
+    t0, b0 = clock.now, clock.bubble
     model.run_step(micro, lambda: memory.track_activations(exclude=model.params))
-    return world.timing.clock.now - t0, memory.peak_activations
+    return clock.now - t0, memory.peak_activations, clock.bubble - b0
 
 
 def measure(run: RunConfig, costs=None) -> dict:
-    """{"step": seconds, "bubble": fraction, "peak_activations": [bytes per rank], "ledger"}."""
+    """{"step": seconds, "bubble": fraction, "peak_activations": [bytes per rank], "ledger",
+    "clock_bubble": [fraction per rank: the clock's idle on pipeline calls over the step]}."""
     costs = costs or COSTS
     run.layout.validate(run.model)
     res = launch(_rank, run.layout.world, args=(run, costs), time_model=SimulatedTime(run.hardware or "h100-sxm"))
-    step = max(t for t, _ in res.values)
+    step = max(t for t, _, _ in res.values)
     busy = run.layout.microbatches * costs["F"] + run.layout.microbatches * (
         costs["I"] + costs["W"] if run.layout.schedule == "zb1" else costs["B"])
-    return {"step": step, "bubble": 1 - busy / step, "peak_activations": [a for _, a in res.values],
-            "ledger": res.ledger}
+    return {"step": step, "bubble": 1 - busy / step, "peak_activations": [a for _, a, _ in res.values],
+            "ledger": res.ledger, "clock_bubble": [b / step for _, _, b in res.values]}
 
 
 def theory(schedule: str, p: int, m: int, v: int = 1) -> float:

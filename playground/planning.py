@@ -166,11 +166,13 @@ def summary(p: Plan) -> str:
              + (f"one rank per pipeline stage standing for its {layout.world // layout.pp})" if p.by_classes else
                 "every rank run)" if uniform_stages(layout, hw.gpus_per_node) else
                 "every rank run: the ranks of a stage sit differently across nodes)")]
+    pipeline = layout.pp > 1
     rows = [[f"{v['step']['time'] * 1e3:.2f} ms", f"{v['step']['compute'] * 1e3:.2f} ms",
-             f"{v['step']['exposed_comm'] * 1e3:.2f} ms", f"{v['step']['idle'] * 1e3:.2f} ms"] for v in p.values]
+             f"{v['step']['exposed_comm'] * 1e3:.2f} ms", f"{v['step']['idle'] * 1e3:.2f} ms"]
+            + ([f"{v['step']['bubble'] * 1e3:.2f} ms"] if pipeline else []) for v in p.values]
     lines.append("\nthe step per class of ranks (idle: waiting for peers, a pipeline's bubble included):")
-    lines.append(table(["ranks", "step", "compute", "exposed comm", "idle"],
-                       [[_rank_ranges(r), *row] for r, row in _classes(rows)], left=1))
+    header = ["ranks", "step", "compute", "exposed comm", "idle"] + (["of it pipeline bubble"] if pipeline else [])
+    lines.append(table(header, [[_rank_ranges(r), *row] for r, row in _classes(rows)], left=1))
     cap = hw.hbm_capacity
     rows = []
     for v in p.values:

@@ -79,7 +79,7 @@ def train_json(res) -> dict:
             ordered = sorted(v["sim_steps"], key=lambda b: b["time"])
             b = ordered[len(ordered) // 2]
             per_rank.append({"rank": r, "step_s": b["time"], "compute_s": b["compute"],
-                             "exposed_comm_s": b["exposed_comm"], "idle_s": b["idle"]})
+                             "exposed_comm_s": b["exposed_comm"], "idle_s": b["idle"], "bubble_s": b["bubble"]})
         slowest = max(x["step_s"] for x in per_rank)
         out["simulated"] = {"hardware": run.hardware, "per_rank": per_rank,
                             "tokens_per_s": run.tokens_per_step / slowest if slowest else None}

@@ -7,7 +7,9 @@ process group, a communication stream (as ProcessGroupNCCL keeps one stream per 
   lasts its alpha-beta cost; every member's stream is then busy until it ends.
 - Waiting for a call (a blocking call, or `Work.wait()`) moves compute to the call's end
   if it is later. That stall is split into *idle* (before the call started: waiting for
-  the last member) and *exposed communication* (after it started). An async call whose
+  the last member) and *exposed communication* (after it started). The idle spent on a
+  pipeline's sends and receives and on the broadcast of its loss (time_model.py says
+  which calls) is also kept apart as the *bubble*. An async call whose
   end is already behind compute when it is waited adds nothing: it was hidden.
 
 Record and replay. Counting every op through Python costs more than the op itself on
@@ -27,7 +29,7 @@ class ReplayMismatchError(RuntimeError):
 
 
 class RankClock:
-    __slots__ = ("now", "streams", "compute", "exposed", "idle", "segments", "_segment_start",
+    __slots__ = ("now", "streams", "compute", "exposed", "idle", "bubble", "segments", "_segment_start",
                  "_script", "_mode", "_pos", "_since")
 
     def __init__(self):
@@ -36,6 +38,7 @@ class RankClock:
         self.compute = 0.0  # seconds of modelled compute
         self.exposed = 0.0  # seconds compute stalled on communication
         self.idle = 0.0  # seconds compute stalled waiting for peers to arrive
+        self.bubble = 0.0  # the part of idle spent waiting on pipeline neighbours (pp.* calls)
         self.segments: list = []  # (start, end) of the compute between calls, for traces
         self._segment_start = 0.0
         self._script: list = []  # the recorded step: (event, compute before it), then the tail
@@ -95,14 +98,17 @@ class RankClock:
     def occupy(self, stream, end: float) -> None:
         self.streams[stream] = end
 
-    def wait(self, start: float, end: float) -> None:
-        """Compute waits for a call that ran over [start, end]."""
+    def wait(self, start: float, end: float, pipeline: bool = False) -> None:
+        """Compute waits for a call that ran over [start, end]; `pipeline`: a send or receive
+        between pipeline stages, whose idle is the pipeline's bubble (Huang et al. 2019)."""
         self._event("wait")
         self._close_segment()
         if end <= self.now:
             return
         if start > self.now:
             self.idle += start - self.now
+            if pipeline:
+                self.bubble += start - self.now
         self.exposed += end - max(start, self.now)
         self.now = self._segment_start = end
 
@@ -111,4 +117,5 @@ class RankClock:
         self._close_segment()
 
     def breakdown(self) -> dict:
-        return {"time": self.now, "compute": self.compute, "exposed_comm": self.exposed, "idle": self.idle}
+        return {"time": self.now, "compute": self.compute, "exposed_comm": self.exposed, "idle": self.idle,
+                "bubble": self.bubble}

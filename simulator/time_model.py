@@ -58,8 +58,10 @@ class SimulatedTime(TimeModel):
             self.ranks[rank].clock.occupy(stream, end)
         return start, end, algorithm, bytes_per_rank(op, algorithm, size, group, self.hardware)
 
-    def waited(self, rank, start, end) -> None:
-        self.ranks[rank].clock.wait(start, end)
+    def waited(self, rank, start, end, label=None) -> None:
+        # a pipeline's sends and receives, and the broadcast of its loss from the last stage
+        pipeline = label is not None and (label.startswith("pp.") or label == "metrics.loss_pp")
+        self.ranks[rank].clock.wait(start, end, pipeline=pipeline)
 
     def rank_finished(self, rank: int) -> None:
         self.ranks[rank].clock.finish()
