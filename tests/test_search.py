@@ -44,7 +44,7 @@ def test_search_ranks_what_fits_and_says_why_the_rest_did_not(tmp_path):
     hw = tmp_path / "tiny.json"
     hw.write_text(json.dumps(small_hbm))
     run = RunConfig(model=CFG, dtype="bfloat16", hardware=str(hw), progress=False)
-    res = search(run, 4, 4, fixed={"tp": 1})
+    res = search(run, 4, 4, fixed={"tp": 1, "micro_batch_size": 1})
     kinds = {kind for _, kind, _ in res.rejected}
     assert res.fits and "planned peak exceeds HBM" in kinds and "model states exceed HBM" in kinds
     steps = [p.step_s for p, _ in res.fits]
