@@ -59,7 +59,7 @@ def test_plan_command_flags_what_does_not_fit(tmp_path):
 
 
 @pytest.mark.parametrize("layout", [Layout(dp=4, tp=2, pp=2, microbatches=2, micro_batch_size=1, sequence_parallel=True),
-                                    Layout(dp=2, tp=2, cp=2, pp=4, zero=1, microbatches=4, micro_batch_size=1,
+                                    Layout(dp=2, tp=2, cp=2, pp=4, zero=1, microbatches=2, micro_batch_size=1,
                                            sequence_parallel=True),
                                     Layout(dp=2, tp=2, cp=2, zero=3, micro_batch_size=1)],
                          ids=["dp4-tp2-pp2-sp", "dp2-tp2-cp2-pp4-zero1-sp", "dp2-tp2-cp2-zero3"])
