@@ -79,24 +79,14 @@ class _Region:
         forward, recompute = create_selective_checkpoint_contexts(self.policy)
         if self.memory is None:
             return forward, recompute
-        return _Both(forward, _CountKept(self)), recompute
+        return _both(forward, _CountKept(self)), recompute
 
 
-class _Both:
-    """Enter two context managers in order, leave them in reverse (the caching mode first,
-    the counting mode on top of it)."""
-
-    def __init__(self, first, second):
-        self.first, self.second = first, second
-
-    def __enter__(self):
-        self.first.__enter__()
-        self.second.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.second.__exit__(*exc)
-        return self.first.__exit__(*exc)
+@contextlib.contextmanager
+def _both(first, second):
+    """The policy's caching mode, and the counting mode on top of it."""
+    with first, second:
+        yield
 
 
 @contextlib.contextmanager
@@ -118,7 +108,7 @@ class Recompute:
     def __init__(self, mode: str, block, memory=None):
         if mode not in ("full", "selective"):
             raise ValueError(f"activation checkpointing mode must be 'full' or 'selective', not {mode!r}")
-        self.mode, self.memory, self.block = mode, memory, block
+        self.memory, self.block = memory, block
         self.policy = SelectivePolicy() if mode == "selective" else None
 
     def __call__(self, body, *args):

@@ -38,11 +38,9 @@ class SelectivePolicy:
     """`policy(ctx, func, *args, **kwargs)`: MUST_SAVE for the ops in KEEP, PREFER_RECOMPUTE
     for everything else."""
 
-    def __init__(self, keep=None):
-        self.keep = KEEP if keep is None else keep
-
-    def saves(self, func) -> bool:
-        return func._overloadpacket in self.keep
+    @staticmethod
+    def saves(func) -> bool:
+        return func._overloadpacket in KEEP
 
     def __call__(self, ctx, func, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if self.saves(func) else CheckpointPolicy.PREFER_RECOMPUTE

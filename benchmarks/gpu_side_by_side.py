@@ -80,9 +80,9 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
     step = statistics.median(times[3:])
     tokens = world * a.mbs * cfg.seq_len / step
-    peak = load_hardware(a.hardware).peak_bf16_flops
+    mfu = cfg.mfu(tokens, world, load_hardware(a.hardware).peak_bf16_flops)
     out = {"side": "torch", "mode": a.mode, "model": a.model, "world": world, "mbs": a.mbs, "ac": a.ac, "compile": a.compile,
-           "median_step_s": step, "tokens_per_s": tokens, "mfu": tokens / world * cfg.flops_per_token() / peak,
+           "median_step_s": step, "tokens_per_s": tokens, "mfu": mfu,
            "cuda_peak_allocated": torch.cuda.max_memory_allocated(), "loss": loss.item()}
     if rank == 0:
         print(json.dumps(out), flush=True)

@@ -28,7 +28,7 @@ def playground_side(path: str, hardware: str) -> dict:
     cfg = GPTConfig(**{k: v for k, v in m["model"].items() if k != "n_params"})
     tokens, world = m["throughput"]["tokens_per_s"], m["layout"]["world"]
     return {"tokens_per_s": tokens, "cuda_peak_allocated": max(r.get("cuda_peak_allocated", 0) for r in m["memory"]),
-            "mfu": tokens / world * cfg.flops_per_token() / load_hardware(hardware).peak_bf16_flops}
+            "mfu": cfg.mfu(tokens, world, load_hardware(hardware).peak_bf16_flops)}
 
 
 def pairs(folders, hardware: str) -> list:

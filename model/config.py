@@ -89,6 +89,11 @@ class GPTConfig:
         forward = 2 * (L * (2 * d * d + 2 * d * self.kv_dim) + mlp + d * V) + L * 4 * s * d
         return 3 * forward if training else forward
 
+    def mfu(self, tokens_per_s: float, devices: int, peak_flops: float) -> float:
+        """Model FLOPs utilisation (Chowdhery et al. 2022, PaLM, appendix B): the training
+        FLOPs of `tokens_per_s` over `devices` devices of `peak_flops` each."""
+        return self.flops_per_token() * tokens_per_s / (devices * peak_flops)
+
 
 PRESETS = {
     # for tests: well under a second a step on a laptop CPU

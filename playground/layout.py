@@ -24,7 +24,7 @@ class LayoutError(ValueError):
     """A layout that does not fit the world or the model."""
 
 
-def _divisors(n: int) -> list:
+def divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -105,10 +105,10 @@ class Layout:
         c = config
         if self.tp > 1 and c.n_heads % self.tp:
             raise LayoutError(f"n_heads={c.n_heads} is not divisible by tp={self.tp}; "
-                              f"tp could be one of {_divisors(c.n_heads)}")
+                              f"tp could be one of {divisors(c.n_heads)}")
         if self.tp > 1 and c.kv_heads % self.tp:
             raise LayoutError(f"n_kv_heads={c.kv_heads} is not divisible by tp={self.tp} (tensor parallelism splits "
-                              f"the key/value heads too); tp could be one of {_divisors(c.kv_heads)}")
+                              f"the key/value heads too); tp could be one of {divisors(c.kv_heads)}")
         stages = self.pp * self.virtual_stages
         if self.stage_layers is not None:
             if len(self.stage_layers) != stages or sum(self.stage_layers) != c.n_layers or min(self.stage_layers) < 1:
@@ -116,7 +116,7 @@ class Layout:
                                   f"(pp·virtual_stages) summing to n_layers={c.n_layers}")
         elif c.n_layers % stages:
             raise LayoutError(f"n_layers={c.n_layers} is not divisible by pp·virtual_stages = {self.pp}·"
-                              f"{self.virtual_stages} = {stages}; stage counts that fit: {_divisors(c.n_layers)}")
+                              f"{self.virtual_stages} = {stages}; stage counts that fit: {divisors(c.n_layers)}")
         if self.cp_impl not in IMPLEMENTATIONS:
             raise LayoutError(f"cp_impl={self.cp_impl!r}: choose one of {IMPLEMENTATIONS}")
         if self.cp_balance not in BALANCES:
@@ -125,14 +125,14 @@ class Layout:
             n = n_chunks(self.cp, self.cp_balance)
             if c.seq_len % n:
                 what = "2·cp" if self.cp_balance == "zigzag" else "cp"
-                fits = [d for d in _divisors(c.seq_len) if c.seq_len % n_chunks(d, self.cp_balance) == 0]
+                fits = [d for d in divisors(c.seq_len) if c.seq_len % n_chunks(d, self.cp_balance) == 0]
                 raise LayoutError(f"seq_len={c.seq_len} is not divisible by {what} = {n} ({self.cp_balance} cuts the "
                                   f"sequence into {n} chunks); cp could be one of {fits}, or seq_len a multiple of {n}")
             if self.cp_impl == "ulysses" and c.kv_heads % (self.cp * self.tp):
                 heads = "n_heads" if c.kv_heads == c.n_heads else "n_kv_heads"
                 raise LayoutError(f"Ulysses splits the heads over cp: {heads}={c.kv_heads} is not divisible by "
                                   f"cp·tp = {self.cp}·{self.tp} = {self.cp * self.tp}; cp could be one of "
-                                  f"{_divisors(c.kv_heads // self.tp)}")
+                                  f"{divisors(c.kv_heads // self.tp)}")
             if self.sequence_parallel and (c.seq_len // self.cp) % self.tp:
                 raise LayoutError(f"sequence parallelism splits each cp rank's seq_len/cp = {c.seq_len // self.cp} "
                                   f"tokens over tp={self.tp}: not divisible")
@@ -142,10 +142,10 @@ class Layout:
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
             raise LayoutError(f"ep={self.ep} must divide dp·cp = {self.dp}·{self.cp} = {self.dp * self.cp} (expert-"
                               f"parallel groups are carved from the data-parallel ranks); ep could be one of "
-                              f"{_divisors(self.dp * self.cp)}")
+                              f"{divisors(self.dp * self.cp)}")
         if self.ep > 1 and c.n_experts % self.ep:
             raise LayoutError(f"n_experts={c.n_experts} is not divisible by ep={self.ep}; ep could be one of "
-                              f"{[d for d in _divisors(c.n_experts) if (self.dp * self.cp) % d == 0]}")
+                              f"{[d for d in divisors(c.n_experts) if (self.dp * self.cp) % d == 0]}")
         if c.n_experts and self.tp > 1 and not self.sequence_parallel:
             raise LayoutError(f"tp={self.tp} with experts needs --sp: each TP rank then routes its slice of the "
                               f"sequence, so no token reaches the experts twice")
@@ -175,7 +175,7 @@ class Layout:
             raise LayoutError("sequence_parallel needs tp > 1")
         if self.tp > 1 and c.d_ff % self.tp:
             raise LayoutError(f"d_ff={c.d_ff} is not divisible by tp={self.tp}; "
-                              f"tp could be one of {[d for d in _divisors(c.d_ff) if c.n_heads % d == 0]}")
+                              f"tp could be one of {[d for d in divisors(c.d_ff) if c.n_heads % d == 0]}")
         if self.sequence_parallel and c.seq_len % self.tp:
             raise LayoutError(f"sequence parallelism splits seq_len={c.seq_len} over tp={self.tp}: not divisible")
         for name, what in NOT_BUILT.items():

@@ -114,12 +114,13 @@ class ReplicatedAdamW:
         step); otherwise they are freed after each step, as torch's `zero_grad` does, so that
         they do not take memory while the next forward's activations peak."""
         self.parts, self.buckets = parts, buckets
+        self.grad_bytes = 0  # without buckets: what the gradients took at the last step
         self.optimizer = adamw([p for m in parts for p in m.parameters()], lr=run.lr, betas=run.betas,
                                weight_decay=run.weight_decay)
 
     def step(self) -> None:
         self.optimizer.step()
-        if not self.buckets:  # what the gradients took during backward, for the memory report
+        if not self.buckets:
             self.grad_bytes = storage_bytes(p.grad for m in self.parts for p in m.parameters())
         self.optimizer.zero_grad(set_to_none=not self.buckets)
 
@@ -135,7 +136,7 @@ class ReplicatedAdamW:
     def state_tensors(self) -> dict:
         params = [p for m in self.parts for p in m.parameters()]
         states = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-        grads = [p.grad for p in params] if self.buckets else getattr(self, "grad_bytes", 0)
+        grads = [p.grad for p in params] if self.buckets else self.grad_bytes
         return {"parameters": params, "gradients": grads, "optimizer": states}
 
     def state_pieces(self) -> list:

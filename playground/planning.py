@@ -87,8 +87,8 @@ class Plan:
 
     @property
     def mfu(self) -> float:
-        hw = load_hardware(self.run.hardware)
-        return self.run.model.flops_per_token() * self.tokens_per_s / (self.run.layout.world * hw.peak_bf16_flops)
+        return self.run.model.mfu(self.tokens_per_s, self.run.layout.world,
+                                  load_hardware(self.run.hardware).peak_bf16_flops)
 
 
 def stand_ins(layout) -> dict:

@@ -28,12 +28,8 @@ from dataclasses import dataclass, field, replace
 
 from simulator import load_hardware
 
-from .layout import Layout, LayoutError
+from .layout import Layout, LayoutError, divisors
 from .planning import plan
-
-
-def _divisors(n: int) -> list:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def candidates(cfg, world: int, global_batch: int, gpus_per_node: int, fixed: dict | None = None) -> list:
@@ -43,15 +39,15 @@ def candidates(cfg, world: int, global_batch: int, gpus_per_node: int, fixed: di
     def options(name, values):
         return [fixed[name]] if fixed.get(name) is not None else values
     out = []
-    for tp in options("tp", [d for d in _divisors(world) if d <= gpus_per_node]):
-        for pp in options("pp", [d for d in _divisors(world // tp) if cfg.n_layers % d == 0]):
-            for cp in options("cp", [d for d in _divisors(world // (tp * pp)) if d == 1 or cfg.seq_len >= 8192]):
+    for tp in options("tp", [d for d in divisors(world) if d <= gpus_per_node]):
+        for pp in options("pp", [d for d in divisors(world // tp) if cfg.n_layers % d == 0]):
+            for cp in options("cp", [d for d in divisors(world // (tp * pp)) if d == 1 or cfg.seq_len >= 8192]):
                 if world % (tp * pp * cp):
                     continue
                 dp = world // (tp * pp * cp)
                 if global_batch % dp:
                     continue
-                ep = options("ep", [max((d for d in _divisors(dp * cp) if cfg.n_experts % d == 0), default=1)
+                ep = options("ep", [max((d for d in divisors(dp * cp) if cfg.n_experts % d == 0), default=1)
                                     if cfg.n_experts else 1])[0]
                 for mbs in options("micro_batch_size", [b for b in (1, 2, 4, 8) if (global_batch // dp) % b == 0]):
                     m = global_batch // dp // mbs

@@ -119,8 +119,8 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
     # it (and waiting for its average) at every step would stall the host until the device is idle
     deferred = device.startswith("cuda") and bar is None and not run.save
     losses = []
-    prefetch = (Prefetch(source, layout.global_batch, cfg.seq_len, slice(dp.rank * rows, (dp.rank + 1) * rows), device)
-                if device.startswith("cuda") else None)
+    mine = slice(dp.rank * rows, (dp.rank + 1) * rows)  # this rank's rows of each global batch
+    prefetch = Prefetch(source, layout.global_batch, cfg.seq_len, mine, device) if device.startswith("cuda") else None
     for i, step in enumerate(range(start, start + run.steps)):  # (the data is a function of the step)
         t0 = time.perf_counter()
         replay = None if run.count_every_step else ("record" if i == 1 else "replay" if i > 1 else None)
@@ -131,7 +131,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
                 local = prefetch.batch(step, start + run.steps)
             else:
                 batch = source.global_batch(step, layout.global_batch, cfg.seq_len)
-                local = batch[dp.rank * rows:(dp.rank + 1) * rows].to(device)
+                local = batch[mine].to(device)
             micro = local.split(layout.micro_batch_size)
             track = (lambda: memory.track_activations(exclude=model.params)) if run.hardware and replay != "replay" \
                 else contextlib.nullcontext  # a replayed step's activations are the recorded one's
