@@ -41,7 +41,8 @@ class TimeModel:
     def rank_view(self, rank: int):
         """What a rank's process groups expose as `group.timing` (None: nothing). Strategies
         may call its `fused(io_bytes)`: a context manager around ops that a GPU runs as one
-        fused kernel reading and writing io_bytes (see `fused_kernel`)."""
+        fused kernel reading and writing io_bytes (see `fused_kernel`), and its
+        `optimizer_step(optimizer)` around an optimizer's step (see `optimizer_kernel`)."""
         return None
 
 
@@ -51,3 +52,10 @@ def fused_kernel(group, io_bytes: int):
     a time model."""
     timing = group.timing
     return timing.fused(io_bytes) if timing is not None else contextlib.nullcontext()
+
+
+def optimizer_kernel(group, optimizer):
+    """Mark `optimizer.step()` inside as the one fused kernel a GPU runs for it (the time
+    model's `optimizer_step`); nothing without a time model."""
+    timing = group.timing
+    return timing.optimizer_step(optimizer) if timing is not None else contextlib.nullcontext()

@@ -91,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="bfloat16: float32 weights with bf16 compute; float16: ZeRO's fp16 compute copies with "
                         "dynamic loss scaling")
+    t.add_argument("--bf16-copies", action="store_true",
+                   help="--dtype bfloat16 without --zero: bf16 compute copies of the weights with fp32 master weights "
+                        "(ZeRO's engine at stage 0, as plan prices it) instead of autocast")
     t.add_argument("--reduce-dtype", choices=DTYPES,
                    help="ZeRO: the dtype gradients are reduced in (default: the compute dtype of --dtype)")
     t.add_argument("--seed", type=int, default=0, help="seed of the weights and of the data")
@@ -124,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
                                 description="Distributed training on simulated ranks: every byte counted, every "
                                             "layout checked against one device.")
     p.add_argument("--version", action="version", version=f"playground {_version()}")
-    sub = p.add_subparsers(dest="verb", required=True, metavar="{train,check,plan,export,bench}")
+    sub = p.add_subparsers(dest="verb", required=True, metavar="{train,check,plan,calibrate,export,bench}")
     sub.add_parser("train", parents=[common], formatter_class=_Help,
                    help="train and report loss, throughput, bytes per rank, simulated time and memory")
     sub.add_parser("check", parents=[common], formatter_class=_Help,
@@ -138,6 +141,18 @@ def _parser() -> argparse.ArgumentParser:
                          "size, --ac) and print the fastest that fit; --tp/--pp/--cp/--ep given fix those axes")
     pl.add_argument("--top", type=int, default=10, help="with --search: how many layouts to print")
     pl.set_defaults(dtype="bfloat16")
+    c = sub.add_parser("calibrate", formatter_class=_Help,
+                       help="measure this machine's kernels and links and write a hardware profile (--hardware FILE)")
+    c.add_argument("--backend", default="torch", choices=["torch", "gloo"],
+                   help="torch: every rank of a torchrun job (NCCL on GPUs); gloo: --world local CPU processes")
+    c.add_argument("--world", type=int, help="with --backend gloo: the number of processes")
+    c.add_argument("--model", default="1b", choices=sorted(PRESETS), help="the model whose shapes are measured")
+    c.add_argument("--micro-batch-size", type=int, default=4, help="sequences per microbatch of those shapes")
+    c.add_argument("--base", default="h200-datasheet",
+                   help="the profile whose peaks, HBM bandwidth and network are kept (datasheet numbers)")
+    c.add_argument("--max-mib", type=float, default=1024.0, help="largest collective message, MiB")
+    c.add_argument("--name", help="the profile's name (default: the --out file's)")
+    c.add_argument("--out", required=True, help="the profile file to write (JSON)")
     e = sub.add_parser("export", formatter_class=_Help,
                        help="write a checkpoint's weights as the reference GPT's plain state_dict")
     e.add_argument("directory", help="the checkpoint folder")
@@ -261,7 +276,8 @@ def run_config(args, default_steps: int, meta: bool = False):
                     reduce_dtype=args.reduce_dtype, seed=args.seed, data=args.data, bucket_cap_mb=args.bucket_mb,
                     backend=args.backend, progress=not args.no_progress, hardware=args.hardware,
                     count_every_step=args.count_every_step, save=args.save, save_every=args.save_every,
-                    resume=args.resume, init_from=args.init_from, compile=args.compile)
+                    resume=args.resume, init_from=args.init_from, compile=args.compile,
+                    bf16_copies=bool(getattr(args, "bf16_copies", False)))
     if run.backend == "sim" and not meta:  # (a plan's ranks hold meta tensors: no memory)
         check_simulated_memory(run)
     return run
@@ -359,6 +375,8 @@ def _main(args) -> int:
     if args.verb == "export":
         return _export(args)
     from collectives import CollectiveError, RankFailedError
+    if args.verb == "calibrate":
+        return _calibrate(args)
     from model.data import DataError
 
     from .layout import LayoutError
@@ -404,6 +422,34 @@ def _main(args) -> int:
     except CollectiveError as e:  # a mismatch or a deadlock: the message names every rank
         print(f"playground {args.verb}: {e}", file=sys.stderr)
         return 1
+
+
+def _calibrate(args) -> int:
+    from model.config import preset
+
+    from simulator.hardware import load_hardware
+
+    from .calibrate import calibrate, summary, write_profile
+    if args.backend == "gloo" and not args.world:
+        print("playground calibrate: --backend gloo needs --world N (the processes to start)", file=sys.stderr)
+        return 2
+    if args.backend == "torch" and "RANK" not in os.environ:
+        print("playground calibrate: --backend torch runs under torchrun (torchrun --nproc_per_node N -m playground "
+              "calibrate ...); or use --backend gloo --world N", file=sys.stderr)
+        return 2
+    name = args.name or os.path.splitext(os.path.basename(args.out))[0]
+    try:
+        load_hardware(args.base)
+    except ValueError as e:  # an unknown --base, before minutes of measuring
+        print(f"playground calibrate: --base: {e}", file=sys.stderr)
+        return 2
+    hw, record = calibrate(args.backend, args.world, preset(args.model), args.micro_batch_size, args.base,
+                           args.max_mib, name)
+    if _is_rank0(args.backend):
+        write_profile(hw, record, args.out)
+        print(summary(hw, record))
+        print(f"wrote {args.out} (use it as --hardware {args.out})")
+    return 0
 
 
 def _train(args, run) -> int:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from activation_checkpointing import checkpoint_blocks
+from collectives.timing import optimizer_kernel
 from ddp import DistributedDataParallel
 from model import placement_of
 from model.optimizer import adamw, step_count
@@ -109,17 +110,18 @@ class ReplicatedAdamW:
     """torch's AdamW on the local parameters (whole, or tensor-parallel slices) of every
     part; data parallelism keeps them equal across the replicas (DDP)."""
 
-    def __init__(self, parts: list, run, buckets: bool = True):
+    def __init__(self, parts: list, run, group, buckets: bool = True):
         """`buckets`: the gradients are views into DDP's buckets (zeroed in place after each
         step); otherwise they are freed after each step, as torch's `zero_grad` does, so that
         they do not take memory while the next forward's activations peak."""
-        self.parts, self.buckets = parts, buckets
+        self.parts, self.buckets, self.group = parts, buckets, group  # group: any of this rank's (its timing)
         self.grad_bytes = 0  # without buckets: what the gradients took at the last step
         self.optimizer = adamw([p for m in parts for p in m.parameters()], lr=run.lr, betas=run.betas,
                                weight_decay=run.weight_decay)
 
     def step(self) -> None:
-        self.optimizer.step()
+        with optimizer_kernel(self.group, self.optimizer):
+            self.optimizer.step()
         if not self.buckets:
             self.grad_bytes = storage_bytes(p.grad for m in self.parts for p in m.parameters())
         self.optimizer.zero_grad(set_to_none=not self.buckets)
@@ -372,7 +374,7 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_di
                                                  label=label(s, "ddp.experts"), params=mine,
                                                  grad_scale=expert_scale))
             wrappers.append(w)
-        optimizer = ReplicatedAdamW(parts, run, buckets=any(wrappers))
+        optimizer = ReplicatedAdamW(parts, run, dp, buckets=any(wrappers))
         # autocast caches each weight's bf16 copy for the whole region (a pipeline's whole
         # schedule), so a block's first forward may cast fewer weights than its recomputation,
         # and selective checkpointing needs the same ops both times: no cache under checkpointing

@@ -56,6 +56,8 @@ class RunConfig:
             raise ValueError(f"reduce_dtype={self.reduce_dtype!r}: choose one of {sorted(DTYPES)}")
         if self.reduce_dtype is not None and not self.layout.zero and self.dtype != "float16":
             raise ValueError(f"--reduce-dtype {self.reduce_dtype} applies to ZeRO's gradient reductions: add --zero 1|2|3")
+        if self.bf16_copies and self.dtype != "bfloat16":
+            raise ValueError(f"--bf16-copies keeps bf16 compute copies: it needs --dtype bfloat16, not {self.dtype}")
         if self.dtype == "float16" and self.model.n_experts:
             raise ValueError("--dtype float16 with experts: the MoE auxiliary losses are not loss-scaled; use bfloat16")
         if self.dtype == "float16" and self.layout.pp > 1:

@@ -2,12 +2,20 @@
 
 A `TorchDispatchMode` pushed in the rank's thread (the dispatch-mode stack is
 thread-local, so each rank counts only its own ops, backward included) sees every aten
-op. Each op takes max(FLOPs / (peak · matmul fraction), bytes / (HBM bandwidth · HBM
+op. Each op takes max(kernel floor, FLOPs / FLOP rate, bytes / (HBM bandwidth · HBM
 fraction)): FLOPs from torch's own flop counter formulas (matmuls, convolutions,
 attention), bytes = its tensor inputs and outputs read and written once; views move
-nothing, and so do allocations that write nothing (empty, empty_like, ...). This is the
-roofline model (Williams, Waterman & Patterson 2009) per op, with
-no kernel fusion: it overestimates chains of elementwise ops that a compiler would fuse.
+nothing and launch nothing, and allocations that write nothing (empty, empty_like, ...)
+neither, nor ops on empty tensors or on none; nor do copies between devices (the copy engines move them, beside the kernels:
+host-to-device index copies, which a run on the CPU does not make) and reads of a scalar
+to the host (`.item()`). The FLOP rate is the op's: fused attention kernels at the attention fraction of
+the bf16 peak; other ops at the matmul fraction of the bf16 peak when their inputs are
+16-bit, of the FP32 peak otherwise (torch runs float32 matmuls without TF32 by default).
+This is the roofline model (Williams, Waterman & Patterson 2009) per op with a floor per
+kernel, and no kernel fusion: it overestimates chains of elementwise ops that a compiler
+would fuse. An optimizer step runs as the fused AdamW kernel torch uses on GPUs: one pass
+reading parameters, gradients and both moments and writing back all but the gradients
+(`optimizer_step`).
 
 `step(mode)` brackets one training step for the clock's record and replay (see
 clock.py): a replayed step runs with this mode popped, so its ops cost nothing to run
@@ -41,9 +49,13 @@ def _nbytes(values) -> int:
     return n
 
 
-# allocate without reading or writing memory
+# allocate without reading or writing memory, or read a scalar to the host
 _FREE = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided,
-         torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided}
+         torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided, torch.ops.aten._local_scalar_dense,
+         torch.ops.aten._unsafe_view}  # (_unsafe_view: a view torch does not mark as one)
+# copies: kernels on one device, copy-engine transfers between two
+_COPIES = {torch.ops.aten._to_copy, torch.ops.aten.copy_}
+_TRANSFER = "transfer"
 
 # FLOP formulas torch's counter lacks: the CPU flash attention that scaled_dot_product_attention
 # dispatches to on CPU takes the same (q, k, v, ...) and (grad, q, k, v, out, lse, ...) arguments
@@ -60,6 +72,23 @@ _CAUSAL_ARG = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: 4,
                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: 7}
 
 
+# fused attention kernels (priced at the profile's attention fraction)
+_ATTENTION = {getattr(torch.ops.aten, name) for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "_flash_attention_forward", "_flash_attention_backward",
+    "_efficient_attention_forward", "_efficient_attention_backward") if hasattr(torch.ops.aten, name)} | set(_ALIASES)
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _first_dtype(args):
+    for x in args:
+        if isinstance(x, torch.Tensor):
+            return x.dtype
+    return None
+
+
 def _causal_aware(formula, index: int):
     def flops(*args, **kwargs):
         full = formula(*args, **kwargs)
@@ -73,8 +102,13 @@ def _causal_aware(formula, index: int):
 class ComputeModel(TorchDispatchMode):
     def __init__(self, hw: Hardware, clock: RankClock):
         super().__init__()
-        self.flop_rate = hw.peak_bf16_flops * hw.matmul_fraction
+        self.flop_rate = hw.peak_bf16_flops * hw.matmul_fraction  # 16-bit matmuls
+        self.fp32_rate = hw.fp32_flops * hw.matmul_fraction
+        self.attention_rate = hw.peak_bf16_flops * hw.attention_fraction
         self.byte_rate = hw.hbm_bandwidth * hw.hbm_fraction
+        self.floor = hw.kernel_floor
+        self.kernels = 0
+        self.by_op = None  # {op name: [kernels, seconds, bytes]} when set to a dict (calibration)
         self.clock = clock
         self.flops = 0
         self.bytes = 0
@@ -85,6 +119,8 @@ class ComputeModel(TorchDispatchMode):
         packet = func._overloadpacket
         if func.is_view or packet in _FREE:
             return False
+        if packet in _COPIES:
+            return _TRANSFER
         formula = flop_registry.get(_ALIASES.get(packet, packet))
         if formula is not None and packet in _CAUSAL_ARG:
             formula = _causal_aware(formula, _CAUSAL_ARG[packet])
@@ -96,37 +132,62 @@ class ComputeModel(TorchDispatchMode):
         formula = self._formula.get(func)
         if formula is None and func not in self._formula:
             formula = self._formula[func] = self._classify(func)
+        if formula is _TRANSFER:
+            if len({x.device for x in (*args, out) if isinstance(x, torch.Tensor)}) > 1:
+                return out
+            formula = None
         if formula is False:
             return out
         nbytes = _nbytes(args) + _nbytes(kwargs.values()) + _nbytes(out if isinstance(out, (list, tuple)) else (out,))
-        flops = 0
+        seconds = 0.0
         if formula is not None:
             flops = formula(*tree_map(_shape, args), **tree_map(_shape, kwargs), out_val=tree_map(_shape, out))
-        self.flops += flops
+            self.flops += flops
+            seconds = flops / self._rate(func, args)
         if self._fused is not None:  # one kernel: charged when the region ends
-            self._fused[0] += flops
+            self._fused[0] += seconds
+            return out
+        if nbytes == 0 and seconds == 0:  # no tensor, or empty ones: nothing launches
             return out
         self.bytes += nbytes
-        self.clock.advance(max(flops / self.flop_rate, nbytes / self.byte_rate))
+        self.kernels += 1
+        cost = max(self.floor, seconds, nbytes / self.byte_rate)
+        self.clock.advance(cost)
+        if self.by_op is not None:
+            row = self.by_op.setdefault(func._overloadpacket.__name__, [0, 0.0, 0])
+            row[0], row[1], row[2] = row[0] + 1, row[1] + cost, row[2] + nbytes
         return out
+
+    def _rate(self, func, args) -> float:
+        if func._overloadpacket in _ATTENTION:
+            return self.attention_rate
+        return self.flop_rate if _first_dtype(args) in _HALF else self.fp32_rate
 
     @contextlib.contextmanager
     def fused(self, io_bytes: int):
         """The ops inside run as one fused kernel (FlashAttention's tiles stay on chip): their
         FLOPs are counted as usual, their intermediate tensors move no HBM bytes; the
-        region costs max(FLOPs / rate, io_bytes / bandwidth), io_bytes being what the kernel
-        reads and writes in HBM."""
+        region costs max(floor, Σ FLOPs / rate, io_bytes / bandwidth), io_bytes being what
+        the kernel reads and writes in HBM."""
         # (the mode may sit below others: activation checkpointing pushes its own)
         if self._fused is not None or self not in _get_current_dispatch_mode_stack():
             yield self  # nested (part of the outer kernel), or not counting (a replayed step)
             return
-        self._fused = [0]
+        self._fused = [0.0]
         try:
             yield self
         finally:
-            flops, self._fused = self._fused[0], None
+            seconds, self._fused = self._fused[0], None
             self.bytes += io_bytes
-            self.clock.advance(max(flops / self.flop_rate, io_bytes / self.byte_rate))
+            self.kernels += 1
+            self.clock.advance(max(self.floor, seconds, io_bytes / self.byte_rate))
+
+    def optimizer_step(self, optimizer):
+        """Around `optimizer.step()`: the step as torch's fused AdamW runs it on a GPU, one
+        kernel reading parameter, gradient and both moments and writing parameter and
+        moments (7 tensors' bytes), instead of the ops of the implementation that runs here."""
+        n = sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
+        return self.fused(7 * n)
 
     @contextlib.contextmanager
     def step(self, mode=None):

@@ -9,13 +9,23 @@ Rates are per GPU. Link bandwidths are per direction. Datasheet values:
   Network: DGX H100 has one 400 Gb/s ConnectX-7 port per GPU (DGX H100 user guide): 50 GB/s.
 - H200 SXM (NVIDIA H200 Tensor Core GPU datasheet): the H100's compute and NVLink, HBM3e
   4.8 TB/s, 141 GB; network as DGX H100 (DGX H200: 400 Gb/s per GPU).
+- FP32 (not tensor-core; torch's default for float32 matmuls, TF32 off): A100 19.5 TFLOP/s,
+  H100/H200 SXM 67 TFLOP/s (the same datasheets).
 Not datasheet values (assumptions, override them with a profile file):
 - achievable fractions: 0.80 of peak for matmuls and 0.90 of HBM bandwidth, from this
   workplace's own H200 measurements (an 8192³ bf16 matmul at 788 TFLOP/s of 989; a
-  device-to-device copy at 4.3 TB/s of 4.8), used for all three parts;
+  device-to-device copy at 4.3 TB/s of 4.8), used for the A100 and H100;
+- fused attention at 0.60 of the bf16 peak: FlashAttention-2 reaches 50-73% of the
+  A100's peak forward and backward (Dao 2023, abstract), FlashAttention-3 75% forward on
+  the H100 with a slower backward (Shah et al. 2024);
+- a kernel floor of 5 µs: no op takes less (a launch, and eager PyTorch's dispatch on the
+  host, which the GPU waits for when its kernels are shorter);
 - latencies α: 2 µs per NVLink step and 5 µs per network step, of the order of NCCL's
   own tuning model for its Simple protocol.
-A profile file (TOML or JSON) holds the same keys; missing keys are an error.
+The `h200` profile is not the datasheet's: `playground calibrate` fitted it on 2× H200
+(playground/calibrate.py; its `source` says which run).
+A profile file (TOML or JSON) holds the same keys (`source` optional; a `calibration`
+table, as calibrate writes, is kept for the record and not read); missing keys are an error.
 """
 from __future__ import annotations
 
@@ -40,32 +50,54 @@ class Hardware:
     nvlink_latency: float  # seconds per step (α inside a node)
     network_latency: float  # seconds per step (α across nodes)
     gpus_per_node: int
+    fp32_flops: float  # dense FP32 FLOP/s (float32 matmuls; float64 runs at this rate too)
+    attention_fraction: float  # achievable fraction of the bf16 peak in fused attention kernels
+    kernel_floor: float  # seconds: the least any kernel takes
+    source: str = "datasheet"  # where the numbers come from
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+_ASSUMED = dict(attention_fraction=0.60, kernel_floor=5e-6)
 PROFILES = {
-    "a100-80gb": Hardware("a100-80gb", 312e12, 0.80, 2.039e12, 0.90, 80 * GB, 300 * GB, 25 * GB, 2e-6, 5e-6, 8),
-    "h100-sxm": Hardware("h100-sxm", 989e12, 0.80, 3.35e12, 0.90, 80 * GB, 450 * GB, 50 * GB, 2e-6, 5e-6, 8),
-    "h200": Hardware("h200", 989e12, 0.80, 4.8e12, 0.90, 141 * GB, 450 * GB, 50 * GB, 2e-6, 5e-6, 8),
+    "a100-80gb": Hardware("a100-80gb", 312e12, 0.80, 2.039e12, 0.90, 80 * GB, 300 * GB, 25 * GB, 2e-6, 5e-6, 8,
+                          fp32_flops=19.5e12, **_ASSUMED, source="datasheet (A100 80GB SXM) and assumptions"),
+    "h100-sxm": Hardware("h100-sxm", 989e12, 0.80, 3.35e12, 0.90, 80 * GB, 450 * GB, 50 * GB, 2e-6, 5e-6, 8,
+                         fp32_flops=67e12, **_ASSUMED, source="datasheet (H100 SXM) and assumptions"),
+    "h200-datasheet": Hardware("h200-datasheet", 989e12, 0.80, 4.8e12, 0.90, 141 * GB, 450 * GB, 50 * GB, 2e-6,
+                               5e-6, 8, fp32_flops=67e12, **_ASSUMED, source="datasheet (H200 SXM) and assumptions"),
 }
+CALIBRATED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb"}
 
 
 def load_hardware(name_or_path: str) -> Hardware:
     """A named profile, or a TOML/JSON file with every field of `Hardware`."""
     key = ALIASES.get(name_or_path, name_or_path)
-    if key in PROFILES:
+    shipped = os.path.join(CALIBRATED, f"{key}.json")
+    if os.sep not in key and os.path.exists(shipped):  # a calibrated profile shipped with the simulator
+        name_or_path = shipped
+    elif key in PROFILES:
         return PROFILES[key]
-    if not os.path.exists(name_or_path):
-        raise ValueError(f"hardware {name_or_path!r}: not a profile ({sorted(PROFILES)}) nor a file")
+    elif not os.path.exists(name_or_path):
+        raise ValueError(f"hardware {name_or_path!r}: not a profile ({profile_names()}) nor a file")
     with open(name_or_path, "rb") as f:
         data = tomllib.load(f) if name_or_path.endswith(".toml") else json.load(f)
+    return hardware_from_dict(data, name_or_path)
+
+
+def profile_names() -> list:
+    """The named profiles: the datasheet ones and the calibrated ones shipped in profiles/."""
+    shipped = [f[:-5] for f in os.listdir(CALIBRATED) if f.endswith(".json")] if os.path.isdir(CALIBRATED) else []
+    return sorted(set(PROFILES) | set(shipped))
+
+
+def hardware_from_dict(data: dict, where: str = "profile") -> Hardware:
     names = [f.name for f in fields(Hardware)]
-    missing = [n for n in names if n not in data]
-    unknown = sorted(set(data) - set(names))
+    missing = [n for n in names if n not in data and n != "source"]
+    unknown = sorted(set(data) - set(names) - {"calibration"})
     if missing or unknown:
-        raise ValueError(f"hardware file {name_or_path!r}: missing {missing}, unknown {unknown}")
-    return Hardware(**{n: (int(data[n]) if n == "gpus_per_node" else data[n] if n == "name" else float(data[n]))
-                       for n in names})
+        raise ValueError(f"hardware file {where!r}: missing {missing}, unknown {unknown}")
+    return Hardware(**{n: (int(data[n]) if n == "gpus_per_node" else str(data[n]) if n in ("name", "source")
+                           else float(data[n])) for n in names if n in data})

@@ -28,6 +28,10 @@ class RankTiming:
         """Charge the ops inside as one fused kernel (ComputeModel.fused)."""
         return self.compute_model.fused(io_bytes)
 
+    def optimizer_step(self, optimizer):
+        """Charge an optimizer's step as one fused kernel (ComputeModel.optimizer_step)."""
+        return self.compute_model.optimizer_step(optimizer)
+
 
 class SimulatedTime(TimeModel):
     def __init__(self, hardware: Hardware | str):

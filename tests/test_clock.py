@@ -1,12 +1,13 @@
 """The simulated clock: overlap, idle time, point-to-point order, the
 roofline time of an op, and DDP's exposed communication."""
+import dataclasses
 import pytest
 import torch
 
 from collectives import launch
 from simulator.cost_model import collective_cost
 from simulator import SimulatedTime
-from simulator.hardware import PROFILES
+from simulator.hardware import PROFILES, load_hardware
 from ddp import DistributedDataParallel
 from model import GPT, preset
 
@@ -71,20 +72,54 @@ def test_recv_completes_no_earlier_than_the_send():
     assert recv.start == pytest.approx(5e-6) and recv.end == pytest.approx(5e-6 + p2p)
 
 
-def test_op_time_is_the_roofline_of_its_flops_and_bytes():
-    def fn(world, m):
-        a, b = torch.randn(m, m), torch.randn(m, m)
+def test_op_time_is_the_roofline_of_its_flops_and_bytes_above_a_floor():
+    def fn(world, m, dtype):
+        a, b = torch.randn(m, m, dtype=dtype), torch.randn(m, m, dtype=dtype)
         t0 = world.timing.clock.now
         a @ b
         return world.timing.clock.now - t0
-    for m in (64, 2048):
-        got = launch(fn, 1, args=(m,), time_model=SimulatedTime(H100)).values[0]
-        flops, nbytes = 2 * m ** 3, 3 * m * m * 4
-        expect = max(flops / (H100.peak_bf16_flops * H100.matmul_fraction),
-                     nbytes / (H100.hbm_bandwidth * H100.hbm_fraction))
-        assert got == pytest.approx(expect)
-    # m=64 is memory-bound on an H100, m=2048 compute-bound
-    assert 2 * 64 ** 3 / (H100.peak_bf16_flops * 0.8) < 3 * 64 * 64 * 4 / (H100.hbm_bandwidth * 0.9)
+    for m in (64, 512, 2048):
+        for dtype, peak in ((torch.float32, H100.fp32_flops), (torch.bfloat16, H100.peak_bf16_flops)):
+            got = launch(fn, 1, args=(m, dtype), time_model=SimulatedTime(H100)).values[0]
+            flops, nbytes = 2 * m ** 3, 3 * m * m * dtype.itemsize
+            expect = max(H100.kernel_floor, flops / (peak * H100.matmul_fraction),
+                         nbytes / (H100.hbm_bandwidth * H100.hbm_fraction))
+            assert got == pytest.approx(expect)
+    # m=64 costs the floor; m=2048 is compute-bound, and float32 runs at the FP32 peak
+    assert 3 * 64 * 64 * 4 / (H100.hbm_bandwidth * 0.9) < H100.kernel_floor
+    fp32 = launch(fn, 1, args=(2048, torch.float32), time_model=SimulatedTime(H100)).values[0]
+    bf16 = launch(fn, 1, args=(2048, torch.bfloat16), time_model=SimulatedTime(H100)).values[0]
+    assert fp32 / bf16 == pytest.approx(H100.peak_bf16_flops / H100.fp32_flops)
+
+
+def test_attention_runs_at_the_attention_fraction():
+    def fn(world):
+        q = torch.randn(4, 8, 2048, 64, dtype=torch.bfloat16)
+        t0 = world.timing.clock.now
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return world.timing.clock.now - t0
+    got = launch(fn, 1, time_model=SimulatedTime(H100)).values[0]
+    flops = 4 * 4 * 8 * 2048 * 2048 * 64 * (2048 + 1) // (2 * 2048)  # QK^T and PV, causal half
+    assert got == pytest.approx(flops / (H100.peak_bf16_flops * H100.attention_fraction), rel=1e-6)
+
+
+def test_an_optimizer_step_is_one_fused_pass():
+    from collectives.timing import optimizer_kernel
+    from model.optimizer import adamw
+
+    def fn(world, n):
+        p = torch.nn.Parameter(torch.randn(n))
+        opt = adamw([p])
+        p.grad = torch.randn(n)
+        with optimizer_kernel(world, opt):
+            opt.step()  # the moments are made here: no time counted for the first
+        t0 = world.timing.clock.now
+        with optimizer_kernel(world, opt):
+            opt.step()
+        return world.timing.clock.now - t0
+    for n in (1000, 10_000_000):
+        got = launch(fn, 1, args=(n,), time_model=SimulatedTime(H100)).values[0]
+        assert got == pytest.approx(max(H100.kernel_floor, 7 * 4 * n / (H100.hbm_bandwidth * H100.hbm_fraction)))
 
 
 def test_without_a_profile_nothing_is_timed():
@@ -106,8 +141,8 @@ def _ddp_exposed(world, bucket_mb, batch):
     return {k: after[k] - before[k] for k in after}
 
 
-def _exposed(bucket_mb, batch):
-    return launch(_ddp_exposed, 4, args=(bucket_mb, batch), time_model=SimulatedTime("a100-80gb")).values[0]
+def _exposed(bucket_mb, batch, hardware="a100-80gb"):
+    return launch(_ddp_exposed, 4, args=(bucket_mb, batch), time_model=SimulatedTime(hardware)).values[0]
 
 
 def test_ddp_buckets_hide_communication_behind_backward():
@@ -117,7 +152,9 @@ def test_ddp_buckets_hide_communication_behind_backward():
     assert five["compute"] == pytest.approx(one["compute"])  # same work, different overlap
     assert five["exposed_comm"] < one["exposed_comm"] / 2
     assert five["time"] < one["time"]
-    short_one, short_many = _exposed(1000.0, 4), _exposed(0.1, 4)
+    # (without the kernel floor, which alone makes this small model's backward long)
+    no_floor = dataclasses.replace(load_hardware("a100-80gb"), kernel_floor=0.0)
+    short_one, short_many = _exposed(1000.0, 4, no_floor), _exposed(0.1, 4, no_floor)
     assert short_many["exposed_comm"] > short_one["exposed_comm"]
 
 

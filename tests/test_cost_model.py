@@ -75,8 +75,11 @@ def test_trivial_groups_cost_nothing():
 
 def test_profiles_and_files(tmp_path):
     assert load_hardware("h100") is PROFILES["h100-sxm"]
-    h200 = load_hardware("h200")
+    h200 = load_hardware("h200-datasheet")
     assert h200.hbm_capacity == 141e9 and h200.peak_bf16_flops == H100.peak_bf16_flops
+    # the calibrated h200 keeps the datasheet's peak and takes the device's memory (torch's total_memory)
+    calibrated = load_hardware("h200")
+    assert calibrated.peak_bf16_flops == h200.peak_bf16_flops and 139 * 2**30 < calibrated.hbm_capacity < 141 * 2**30
     assert load_hardware("a100-80gb").nvlink_bandwidth == 300e9
     custom = {**H100.to_dict(), "name": "mine", "gpus_per_node": 4, "network_bandwidth": 12.5e9}
     (tmp_path / "hw.json").write_text(json.dumps(custom))

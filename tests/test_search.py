@@ -40,7 +40,8 @@ def test_the_memory_bound_is_below_the_planned_model_states(axes):
 def test_search_ranks_what_fits_and_says_why_the_rest_did_not(tmp_path):
     small_hbm = dict(name="tiny-hbm", peak_bf16_flops=989e12, matmul_fraction=0.8, hbm_bandwidth=3.35e12,
                      hbm_fraction=0.9, hbm_capacity=400_000, nvlink_bandwidth=450e9, network_bandwidth=50e9,
-                     nvlink_latency=2e-6, network_latency=5e-6, gpus_per_node=8)
+                     nvlink_latency=2e-6, network_latency=5e-6, gpus_per_node=8, fp32_flops=67e12,
+                     attention_fraction=0.6, kernel_floor=5e-6)
     hw = tmp_path / "tiny.json"
     hw.write_text(json.dumps(small_hbm))
     run = RunConfig(model=CFG, dtype="bfloat16", hardware=str(hw), progress=False)

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from collectives import ReduceOp
+from collectives.timing import optimizer_kernel
 from model.grad_hooks import GradientReady
 from model.optimizer import adamw, step_count
 from model.placement import placement_of
@@ -158,7 +159,8 @@ class ZeroDataParallel(nn.Module):
         for u, g in zip(self.units, grads):
             g = g.to(self.master_dtype) if g.dtype != self.master_dtype else g
             u.master.grad = g / scale if self.scaler else g
-        self.optimizer.step()
+        with optimizer_kernel(self.group, self.optimizer):
+            self.optimizer.step()
         for u in self.units:
             u.master.grad = None
         self._zero_grads()

@@ -1,0 +1,79 @@
+"""Benchmark: how close `playground plan` comes to measured GPU steps, in time and memory.
+For each train JSON that benchmarks/fidelity_gpu.sh wrote (the 350m and 1b presets, and
+1b-moe, in bf16 under torchrun on 2× H200; the committed run is
+benchmarks/results/gpu/run9_fidelity), plans the same model and layout on the calibrated
+`h200` profile (simulator/profiles/h200.json, fitted by `playground calibrate` in the same
+session) and prints, per layout: the measured median step (steps after the first) against
+the planned step, and the measured CUDA peak (`torch.cuda.max_memory_allocated`, the
+largest over the ranks) against the planned peak, with the relative error of each; and the
+planned step's split into compute, exposed communication and idle. Writes JSON.
+
+The measured runs without ZeRO use `--bf16-copies` (bf16 compute copies with fp32 master
+weights), the mixed precision a plan prices; with ZeRO that is ZeRO's own.
+"""
+import argparse
+import glob
+import json
+import os
+import sys
+
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from benchmarks._common import default_json, median, print_table, write_json  # noqa: E402
+from collectives.ledger import human_bytes  # noqa: E402
+from model import GPTConfig  # noqa: E402
+from playground import Layout, RunConfig  # noqa: E402
+from playground.planning import plan  # noqa: E402
+
+MEASURED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu", "run9_fidelity")
+
+
+def measured_run(path: str) -> RunConfig:
+    """The RunConfig of a train JSON: its model, layout and dtype."""
+    m = json.load(open(path))
+    model = GPTConfig(**{k: v for k, v in m["model"].items() if k != "n_params"})
+    layout = Layout(**{k: v for k, v in m["layout"].items() if k not in ("world", "global_batch")})
+    return RunConfig(model=model, layout=layout, dtype=m["run"]["dtype"], progress=False)
+
+
+def compare(path: str, hardware: str) -> dict:
+    m = json.load(open(path))
+    run = measured_run(path)
+    measured = median(m["throughput"]["step_times_s"][1:])
+    p = plan(RunConfig(**{**run.__dict__, "hardware": hardware}))
+    slowest = max(p.values, key=lambda v: v["step"]["time"])["step"]
+    cuda_peak = max(r.get("cuda_peak_allocated", 0) for r in m["memory"])
+    planned_peak = max(v["memory"]["peak_total"] for v in p.values)
+    return {"layout": os.path.basename(path)[:-5], "describe": run.layout.describe(), "measured_step_s": measured,
+            "planned_step_s": p.step_s, "step_error": p.step_s / measured - 1, "planned": slowest,
+            "measured_cuda_peak": cuda_peak, "planned_peak": planned_peak,
+            "memory_error": planned_peak / cuda_peak - 1 if cuda_peak else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--measured", default=MEASURED, help="the folder of train JSONs from fidelity_gpu.sh")
+    ap.add_argument("--hardware", default="h200")
+    ap.add_argument("--json", default=default_json("fidelity"))
+    a = ap.parse_args()
+    rows = [compare(f, a.hardware) for f in sorted(glob.glob(os.path.join(a.measured, "*.json")))
+            if "layout" in json.load(open(f))]
+    if not rows:
+        sys.exit(f"fidelity: no train JSON in {a.measured}")
+    within = sum(abs(r["step_error"]) <= 0.10 for r in rows), sum(
+        r["memory_error"] is not None and abs(r["memory_error"]) <= 0.10 for r in rows)
+    print_table(f"bf16 on 2× H200: planned on {a.hardware} against measured (median step; CUDA peak allocated); "
+                f"within 10%: step {within[0]}/{len(rows)}, memory {within[1]}/{len(rows)}",
+                ["run", "measured step", "planned step", "error", "compute", "exposed comm", "idle",
+                 "CUDA peak", "planned peak", "error"],
+                [[r["layout"], f"{r['measured_step_s'] * 1e3:.1f} ms", f"{r['planned_step_s'] * 1e3:.1f} ms",
+                  f"{r['step_error']:+.0%}", f"{r['planned']['compute'] * 1e3:.1f} ms",
+                  f"{r['planned']['exposed_comm'] * 1e3:.1f} ms", f"{r['planned']['idle'] * 1e3:.1f} ms",
+                  human_bytes(r["measured_cuda_peak"]), human_bytes(r["planned_peak"]),
+                  f"{r['memory_error']:+.0%}" if r["memory_error"] is not None else "-"] for r in rows])
+    write_json(a.json, {"benchmark": "fidelity", "hardware": a.hardware, "measured_from": os.path.relpath(a.measured),
+                        "within_10pct": {"step": within[0], "memory": within[1], "rows": len(rows)}, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The measured side of benchmarks/fidelity.py on 2 GPUs. Arguments: the sets to run
+# (default: all): `calibrate` (playground calibrate: the profile $LOGS/h200.json), `350m`
+# and `1b` (each layout trained 10 steps in bf16 under torchrun with --json; layouts without
+# ZeRO with --bf16-copies, the mixed precision a plan prices), `moe` (1b-moe, ep 2). Logs
+# and JSON in $LOGS, packed into $OUT/gpu_logs.tgz.
+set -uo pipefail
+source benchmarks/gpu_common.sh
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$LOGS/gpus.txt"
+layouts() {  # model, micro-batch size
+  local m=$1 b=$2 c="--dtype bfloat16 --steps 10 --model $1"
+  run "${m}_single" 1 200 train $c --bf16-copies --micro-batch-size "$b" --json "$LOGS/${m}_single.json"
+  run "${m}_dp2" 2 200 train $c --bf16-copies --dp 2 --micro-batch-size "$b" --json "$LOGS/${m}_dp2.json"
+  run "${m}_zero1" 2 200 train $c --dp 2 --zero 1 --micro-batch-size "$b" --json "$LOGS/${m}_zero1.json"
+  run "${m}_zero3" 2 200 train $c --dp 2 --zero 3 --micro-batch-size "$b" --json "$LOGS/${m}_zero3.json"
+  run "${m}_tp2" 2 200 train $c --bf16-copies --tp 2 --micro-batch-size "$b" --json "$LOGS/${m}_tp2.json"
+  run "${m}_tp2-sp" 2 200 train $c --bf16-copies --tp 2 --sp --micro-batch-size "$b" --json "$LOGS/${m}_tp2-sp.json"
+  run "${m}_pp2-1f1b" 2 200 train $c --bf16-copies --pp 2 --microbatches 8 --micro-batch-size $((b / 2)) \
+    --json "$LOGS/${m}_pp2-1f1b.json"
+  run "${m}_pp2-zb1" 2 200 train $c --bf16-copies --pp 2 --schedule zb1 --microbatches 8 --micro-batch-size $((b / 2)) \
+    --json "$LOGS/${m}_pp2-zb1.json"
+  run "${m}_cp2" 2 200 train $c --bf16-copies --cp 2 --micro-batch-size "$b" --json "$LOGS/${m}_cp2.json"
+}
+for s in "${@:-calibrate 350m 1b moe}"; do for t in $s; do
+  case $t in
+    calibrate) timeout 300 torchrun --nproc_per_node 2 -m playground calibrate --backend torch --model 1b \
+                 --micro-batch-size 4 --base h200-datasheet --name h200 --out "$LOGS/h200.json" 2>&1 | grep -v "^W1" \
+                 > "$LOGS/calibrate.log"; cat "$LOGS/calibrate.log" | head -20
+               tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" . ;;
+    350m) layouts 350m 8 ;;
+    1b) layouts 1b 4 ;;
+    moe) run 1b-moe_ep2 2 200 train --dtype bfloat16 --steps 10 --model 1b-moe --bf16-copies --ep 2 --dp 2 \
+           --micro-batch-size 4 --json "$LOGS/1b-moe_ep2.json" ;;
+    *) echo "unknown set $t"; exit 2 ;;
+  esac
+done; done

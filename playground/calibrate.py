@@ -1,0 +1,429 @@
+"""`playground calibrate`: measure this machine and fit a hardware profile to it
+(docs/architecture.md, "Calibration"; the compute and communication models it fits are
+simulator/compute_model.py and simulator/cost_model.py).
+
+    torchrun --nproc_per_node 2 -m playground calibrate --backend torch --base h200-datasheet --out h200.json
+
+Every rank measures its own device (CUDA events on GPUs, the host clock on CPUs; medians
+of repeats); rank 0 writes the profile. The peaks, the HBM bandwidth and the network come
+from the `--base` profile (datasheet numbers); what is fitted:
+
+- `matmul_fraction`: the bf16 GEMMs of one block and of the head of `--model` at
+  `--micro-batch-size` (each weight's forward product and backward's two), achieved
+  FLOP/s over the bf16 peak, weighted by FLOPs (the time the model spends in them).
+- `fp32_flops`: the same GEMMs in float32, so that `fp32_flops · matmul_fraction` is the
+  achieved rate (torch's default float32 matmuls, TF32 off).
+- `attention_fraction`: causal `scaled_dot_product_attention` forward and backward at
+  the model's shape, FLOPs counted as the compute model counts them (the causal half).
+- `hbm_fraction`: elementwise and normalisation kernels over activation-sized tensors
+  (copy, add, mul, SiLU, RMSNorm's pieces), bytes read and written over the time,
+  the median over those kernels, over the base profile's bandwidth.
+- `kernel_floor`: the time per op of a chain of elementwise ops on tiny tensors, issued
+  back to back: what one small eager op costs (launch, and the host's dispatch when the
+  device is faster).
+- `nvlink_latency` (α) and `nvlink_bandwidth` (1/β): all_reduce, all_gather,
+  reduce_scatter, all_to_all and send/recv over message sizes from 1 KiB to `--max-mib`
+  (nccl-tests sizes), each time against the cost model's formula for that op at this
+  group size, α and β fitted by least squares in relative error (Hockney 1994). On one
+  node the network cannot be measured: its α and β stay the base's, and `source` says so.
+- `hbm_capacity`: the device's memory.
+
+The profile file holds every `Hardware` field and a `calibration` record: each measured
+point with what the fitted profile predicts for it, and the relative error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import time
+import warnings
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from collectives import launch
+from model import GPTConfig
+from simulator.clock import RankClock
+from simulator.compute_model import ComputeModel
+from simulator.cost_model import collective_cost
+from simulator.hardware import Hardware, load_hardware
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
+# -- timing ------------------------------------------------------------------------------------
+def timed(fn, device: str, repeats: int = 5, inner: int = 1) -> float:
+    """Median seconds of one call of `fn` (each sample: `inner` calls back to back, averaged)."""
+    fn()
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3 / inner)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            samples.append((time.perf_counter() - t0) / inner)
+    return statistics.median(samples)
+
+
+# -- compute -------------------------------------------------------------------------------------
+def gemm_shapes(cfg: GPTConfig, tokens: int) -> list:
+    """[(m, k, n)] of the products of one block and the head on `tokens` rows: for each
+    weight (out, in), the forward x·Wᵀ (tokens, in, out), the input gradient dY·W
+    (tokens, out, in) and the weight gradient dYᵀ·X (out, tokens, in)."""
+    kv = cfg.kv_heads * cfg.head_dim
+    weights = [(cfg.d_model + 2 * kv, cfg.d_model), (cfg.d_model, cfg.d_model), (2 * cfg.d_ff, cfg.d_model),
+               (cfg.d_model, cfg.d_ff), (cfg.vocab_size, cfg.d_model)]
+    out = []
+    for o, i in weights:
+        out += [(tokens, i, o), (tokens, o, i), (o, tokens, i)]
+    return out
+
+
+def measure_matmuls(cfg, tokens, device, dtype) -> list:
+    rows = []
+    for m, k, n in gemm_shapes(cfg, tokens):
+        a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+        t = timed(lambda: a @ b, device)
+        rows.append({"m": m, "k": k, "n": n, "dtype": str(dtype).removeprefix("torch."), "flops": 2 * m * k * n,
+                     "seconds": t})
+        del a, b
+    return rows
+
+
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
+    """FLOPs of causal attention forward and backward as the compute model counts them:
+    the flash kernel a plan prices, run on meta tensors under a ComputeModel."""
+    hw = load_hardware("h100-sxm")
+    model = ComputeModel(hw, RankClock())
+    q = torch.empty(batch, heads, seq, head_dim, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    with model:
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0, True)[0]
+        out.backward(torch.empty_like(out))
+    return model.flops
+
+
+def measure_attention(cfg, batch, device) -> dict:
+    q = torch.randn(batch, cfg.n_heads, cfg.seq_len, cfg.head_dim, device=device, dtype=torch.bfloat16,
+                    requires_grad=True)
+    grad = torch.randn_like(q)
+
+    def step():
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        out.backward(grad)
+    return {"batch": batch, "heads": cfg.n_heads, "seq": cfg.seq_len, "head_dim": cfg.head_dim,
+            "flops": attention_flops(batch, cfg.n_heads, cfg.seq_len, cfg.head_dim), "seconds": timed(step, device)}
+
+
+def measure_elementwise(cfg, tokens, device) -> list:
+    """Kernels whose time is their bytes: (name, bytes read and written, seconds)."""
+    x = torch.randn(tokens, cfg.d_model, device=device, dtype=torch.bfloat16)
+    y, w = torch.randn_like(x), torch.randn(cfg.d_model, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    n = x.numel() * x.element_size()
+    kernels = {
+        "copy": (lambda: out.copy_(x), 2 * n),
+        "add": (lambda: torch.add(x, y, out=out), 3 * n),
+        "mul": (lambda: torch.mul(x, y, out=out), 3 * n),
+        "silu": (lambda: F.silu(x), 2 * n),
+        "rsqrt-scale": (lambda: torch.mul(x, w, out=out), 2 * n),
+        "to-float32": (lambda: x.float(), 3 * n),
+    }
+    rows = []
+    for name, (fn, nbytes) in kernels.items():
+        rows.append({"kernel": name, "bytes": nbytes, "seconds": timed(fn, device, inner=5)})
+    return rows
+
+
+def measure_floor(device, ops: int = 200) -> float:
+    """Seconds per op of `ops` tiny elementwise ops issued back to back."""
+    x = torch.ones(8, device=device)
+
+    def chain():
+        y = x
+        for _ in range(ops):
+            y = y + 1
+        return y
+    return timed(chain, device) / ops
+
+
+def op_class(name: str) -> str:
+    """The class of an aten op (profiler's "aten::mm" or the dispatcher's "mm"): matmul,
+    attention, copy (casts and copies: torch's profiler puts their kernels on copy_) or
+    elementwise (everything else: elementwise, normalisation, reductions, indexing)."""
+    name = name.removeprefix("aten::")
+    if "attention" in name:
+        return "attention"
+    if name in ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm"):
+        return "matmul"
+    if name in ("copy_", "_to_copy", "clone", "to", "contiguous"):
+        return "copy"
+    return "elementwise"
+
+
+def one_layer_step(cfg: GPTConfig, micro_batch: int, device: str):
+    """(model, step): a one-block GPT of `cfg`'s shapes in bf16 (the compute copies a
+    mixed-precision run computes with) and a function running its forward and backward."""
+    from model import GPT
+    one = cfg.with_(n_layers=1)
+    model = GPT(one, dtype=torch.bfloat16, device=device)
+    tokens = torch.randint(0, one.vocab_size, (micro_batch, one.seq_len + 1), device=device)
+    if device == "meta":
+        tokens = torch.empty(micro_batch, one.seq_len + 1, dtype=torch.long, device="meta")
+
+    def step():
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+    return model, step
+
+
+def predicted_by_class(cfg, micro_batch, hw: Hardware) -> tuple:
+    """({class: [kernels, seconds, bytes]}, total seconds) the compute model gives one
+    forward and backward of `one_layer_step` on `hw` (run on meta tensors)."""
+    model = ComputeModel(hw, RankClock())
+    _, step = one_layer_step(cfg, micro_batch, "meta")
+    model.by_op = {}
+    with model:
+        step()
+    out: dict = {}
+    for name, (k, t, b) in model.by_op.items():
+        row = out.setdefault(op_class(name), [0, 0.0, 0])
+        row[0], row[1], row[2] = row[0] + k, row[1] + t, row[2] + b
+    return out, model.clock.compute
+
+
+def measure_model_kernels(cfg, micro_batch, device) -> dict:
+    """One forward and backward of a one-block GPT of the model's shapes: the wall time
+    per step (device events around it, so host gaps count) and, from torch's profiler,
+    the device time of each class of op; and the same step at a tiny size (batch 1,
+    sequence 16), whose wall time over its kernel count is the host's cost per op."""
+    from torch.profiler import ProfilerActivity, profile
+    _, step = one_layer_step(cfg, micro_batch, device)
+    out = {"wall_s": timed(step, device, repeats=5)}
+    if device.startswith("cuda"):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:  # (aten ops are CPU events)
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        device_s: dict = {}
+        for e in prof.key_averages():
+            us = getattr(e, "self_device_time_total", None)
+            us = getattr(e, "self_cuda_time_total", 0) if us is None else us
+            if us and e.key.startswith("aten::"):
+                device_s[op_class(e.key)] = device_s.get(op_class(e.key), 0.0) + us / 1e6 / 3
+        out["device_s"] = device_s
+    tiny = cfg.with_(seq_len=16)
+    _, small = one_layer_step(tiny, 1, device)
+    counter = ComputeModel(load_hardware("h100-sxm"), RankClock())
+    _, small_meta = one_layer_step(tiny, 1, "meta")
+    with counter:
+        small_meta()
+    out["tiny_wall_s"], out["tiny_kernels"] = timed(small, device, repeats=5), counter.kernels
+    return out
+
+
+# -- collectives ---------------------------------------------------------------------------------
+def message_sizes(max_mib: float) -> list:
+    """1 KiB to max_mib, ×4 apart (nccl-tests' -f 4)."""
+    out, s = [], 1024
+    while s <= max_mib * 2**20:
+        out.append(s)
+        s *= 4
+    return out
+
+
+def measure_collective(op: str, size: int, device: str) -> float:
+    """Median seconds of one `op` with message size `size` bytes (nccl-tests' definition:
+    the all_reduce/broadcast buffer, the all_gather output, the reduce_scatter input, the
+    all_to_all buffer; send/recv: the message) on the default group."""
+    p, rank = dist.get_world_size(), dist.get_rank()
+    n = max(p, size // 4 // p * p)  # float32 elements, a multiple of p
+    big = torch.ones(n, device=device)
+    small = torch.ones(n // p, device=device)
+    received = torch.empty_like(big)
+    fns = {
+        "all_reduce": lambda: dist.all_reduce(big),
+        "all_gather": lambda: dist.all_gather_into_tensor(big, small),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(small, big),
+        "all_to_all": lambda: dist.all_to_all_single(received, big),
+        "send_recv": lambda: (dist.send(big, (rank + 1) % p) if rank % 2 == 0 else dist.recv(big, (rank - 1) % p))
+        if rank < p - p % 2 else None,
+    }
+    inner = 20 if size <= 2**20 else 5 if size <= 2**26 else 2
+    dist.barrier()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # all_gather_into_tensor's rename in 2.13
+        return timed(fns[op], device, repeats=5, inner=inner)
+
+
+def coefficients(op: str, size: float, p: int, hw: Hardware) -> tuple:
+    """(c_α, c_β) with cost = c_α·α + c_β·β for `op` at this size on p ranks of one node,
+    under the algorithm the cost model chooses for `hw`."""
+    name = "send" if op == "send_recv" else op
+    _, algorithm = collective_cost(name, size, range(p), hw)
+    forced = algorithm if name == "all_reduce" else "auto"
+    unit_alpha = dataclasses.replace(hw, nvlink_latency=1.0, nvlink_bandwidth=float("inf"))
+    unit_beta = dataclasses.replace(hw, nvlink_latency=0.0, nvlink_bandwidth=1.0)
+    return (collective_cost(name, size, range(p), unit_alpha, forced)[0],
+            collective_cost(name, size, range(p), unit_beta, forced)[0])
+
+
+def fit_alpha_beta(points: list, p: int, hw: Hardware) -> tuple:
+    """(α, 1/β) minimising Σ ((c_α·α + c_β·β − t) / t)² over points [(op, size, t)]; a
+    coefficient that comes out negative is set to zero and the other refitted."""
+    rows = np.array([[*coefficients(op, s, p, hw)] for op, s, _ in points], dtype=float)
+    t = np.array([t for _, _, t in points], dtype=float)
+    a = rows / t[:, None]
+    alpha, beta = np.linalg.lstsq(a, np.ones_like(t), rcond=None)[0]
+    if alpha < 0:
+        alpha, beta = 0.0, float(np.linalg.lstsq(a[:, 1:], np.ones_like(t), rcond=None)[0][0])
+    if beta <= 0:
+        beta, alpha = 0.0, float(np.linalg.lstsq(a[:, :1], np.ones_like(t), rcond=None)[0][0])
+    return float(alpha), (1.0 / beta if beta > 0 else float("inf"))
+
+
+# -- the program ---------------------------------------------------------------------------------
+def measure(world, cfg: GPTConfig, micro_batch: int, max_mib: float, device: str) -> dict:
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    tokens = micro_batch * cfg.seq_len
+    out = {"device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+           "capacity": torch.cuda.get_device_properties(device).total_memory if device.startswith("cuda") else 0,
+           "matmul_bf16": measure_matmuls(cfg, tokens, device, torch.bfloat16),
+           "matmul_fp32": measure_matmuls(cfg, tokens, device, torch.float32),
+           "attention": measure_attention(cfg, micro_batch, device),
+           "elementwise": measure_elementwise(cfg, tokens, device),
+           "floor": measure_floor(device), "one_layer": measure_model_kernels(cfg, micro_batch, device),
+           "collectives": []}
+    if world.size > 1:
+        for op in COLLECTIVES:
+            for size in message_sizes(max_mib):
+                out["collectives"].append({"op": op, "size": size, "seconds": measure_collective(op, size, device)})
+    return out
+
+
+def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch: int) -> tuple:
+    """(the fitted Hardware, the calibration record) from one rank's measurements."""
+    def rate(rows):
+        return sum(r["flops"] for r in rows) / sum(r["seconds"] for r in rows)
+    matmul_fraction = rate(m["matmul_bf16"]) / base.peak_bf16_flops
+    fp32 = rate(m["matmul_fp32"]) / matmul_fraction
+    attention_fraction = m["attention"]["flops"] / m["attention"]["seconds"] / base.peak_bf16_flops
+    one = m["one_layer"]
+    moved, _ = predicted_by_class(cfg, micro_batch, base)
+    memory_bound = ("copy", "elementwise")
+    profiled = sum(one.get("device_s", {}).get(c, 0.0) for c in memory_bound)
+    if profiled:  # the model's own memory-bound kernels, as the profiler timed them
+        hbm_fraction = sum(moved.get(c, [0, 0, 0])[2] for c in memory_bound) / profiled / base.hbm_bandwidth
+    else:  # (no device profiler on CPUs) the elementwise kernels timed alone
+        hbm_fraction = statistics.median(r["bytes"] / r["seconds"] for r in m["elementwise"]) / base.hbm_bandwidth
+    floor = max(m["floor"], one["tiny_wall_s"] / one["tiny_kernels"])
+    alpha, bandwidth = base.nvlink_latency, base.nvlink_bandwidth
+    points = [(c["op"], c["size"], c["seconds"]) for c in m["collectives"]]
+    if points:
+        alpha, bandwidth = fit_alpha_beta(points, p, base)
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    hw = dataclasses.replace(
+        base, name=name, matmul_fraction=matmul_fraction, fp32_flops=fp32, attention_fraction=attention_fraction,
+        hbm_fraction=hbm_fraction, kernel_floor=floor, hbm_capacity=float(m["capacity"] or base.hbm_capacity),
+        nvlink_latency=alpha, nvlink_bandwidth=bandwidth,
+        source=f"playground calibrate on {p}× {m['device']} ({when}); peaks, HBM bandwidth and network from "
+               f"{base.name}{'' if points else '; NVLink not measured (one rank)'}")
+    model = ComputeModel(hw, RankClock())
+    record = {"base": base.name, "ranks": p, "device": m["device"], "model": cfg.to_dict() if hasattr(cfg, "to_dict")
+              else dataclasses.asdict(cfg), "micro_batch": micro_batch, "chain_floor_s": m["floor"],
+              "matmuls": [], "attention": {}, "elementwise": [], "collectives": []}
+    predicted, total = predicted_by_class(cfg, micro_batch, hw)
+    record["one_layer"] = {**one, "predicted_s": total,
+                           "predicted_by_class_s": {c: row[1] for c, row in predicted.items()},
+                           "kernels_by_class": {c: row[0] for c, row in predicted.items()}}
+    for key in ("matmul_bf16", "matmul_fp32"):
+        for r in m[key]:
+            rate_ = model.flop_rate if key == "matmul_bf16" else model.fp32_rate
+            predicted = max(hw.kernel_floor, r["flops"] / rate_)
+            record["matmuls"].append({**r, "predicted": predicted, "error": predicted / r["seconds"] - 1})
+    a = m["attention"]
+    record["attention"] = {**a, "predicted": a["flops"] / model.attention_rate}
+    for r in m["elementwise"]:
+        predicted = max(hw.kernel_floor, r["bytes"] / model.byte_rate)
+        record["elementwise"].append({**r, "predicted": predicted, "error": predicted / r["seconds"] - 1})
+    for op, size, t in points:
+        name_ = "send" if op == "send_recv" else op
+        predicted = collective_cost(name_, size, range(p), hw)[0]
+        record["collectives"].append({"op": op, "size": size, "seconds": t, "predicted": predicted,
+                                      "error": predicted / t - 1})
+    return hw, record
+
+
+def calibrate(backend: str, world_size: int | None, cfg: GPTConfig, micro_batch: int, base: str, max_mib: float,
+              name: str, device: str | None = None) -> tuple:
+    """Measure on every rank of a torch.distributed job and fit rank 0's measurements:
+    (Hardware, calibration record)."""
+    res = launch(_measure_rank, world_size, backend, args=(cfg, micro_batch, max_mib, device), timeout=600.0)
+    return fit(res.values[0], load_hardware(base), res.world_size, name, cfg, micro_batch)
+
+
+def _measure_rank(world, cfg, micro_batch, max_mib, device):
+    if device is None:
+        device = f"cuda:{dist.get_rank() % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":  # ranks sharing the cores: more threads than cores would spin against each other
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.size))
+    return measure(world, cfg, micro_batch, max_mib, device)
+
+
+def write_profile(hw: Hardware, record: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump({**hw.to_dict(), "calibration": record}, f, indent=1)
+
+
+def _one_layer_line(one: dict) -> str:
+    measured = one.get("device_s", {})
+    classes = ", ".join(f"{c} {one['predicted_by_class_s'].get(c, 0) * 1e3:.2f}"
+                        + (f"/{measured.get(c, 0) * 1e3:.2f}" if measured else "") for c in
+                        ("matmul", "attention", "copy", "elementwise"))
+    return (f"  one block + head, forward and backward: measured {one['wall_s'] * 1e3:.2f} ms wall, predicted "
+            f"{one['predicted_s'] * 1e3:.2f} ms; by class, ms predicted{'/profiled' if measured else ''}: {classes}")
+
+
+def summary(hw: Hardware, record: dict) -> str:
+    """The fitted constants and the error of the fit per kind of measurement."""
+    def spread(rows):
+        errs = [abs(r["error"]) for r in rows]
+        return f"median |error| {statistics.median(errs):.0%}, worst {max(errs):.0%}" if errs else "not measured"
+    lines = [f"profile {hw.name}: {hw.source}",
+             f"  matmul_fraction    {hw.matmul_fraction:.3f}  ({hw.matmul_fraction * hw.peak_bf16_flops / 1e12:.0f} "
+             f"TFLOP/s bf16; per GEMM {spread([r for r in record['matmuls'] if r['dtype'] == 'bfloat16'])})",
+             f"  fp32_flops         {hw.fp32_flops / 1e12:.1f} TFLOP/s peak-equivalent "
+             f"({hw.fp32_flops * hw.matmul_fraction / 1e12:.1f} achieved; per GEMM "
+             f"{spread([r for r in record['matmuls'] if r['dtype'] == 'float32'])})",
+             f"  attention_fraction {hw.attention_fraction:.3f}  "
+             f"({hw.attention_fraction * hw.peak_bf16_flops / 1e12:.0f} TFLOP/s, causal fwd+bwd)",
+             f"  hbm_fraction       {hw.hbm_fraction:.3f}  ({hw.hbm_fraction * hw.hbm_bandwidth / 1e12:.2f} TB/s; "
+             f"per kernel {spread(record['elementwise'])})",
+             f"  kernel_floor       {hw.kernel_floor * 1e6:.1f} µs  (host per op of a tiny forward and backward; "
+             f"a chain of adds: {record['chain_floor_s'] * 1e6:.1f} µs)",
+             _one_layer_line(record["one_layer"]),
+             f"  nvlink α, 1/β      {hw.nvlink_latency * 1e6:.1f} µs, {hw.nvlink_bandwidth / 1e9:.0f} GB/s"
+             + (f"  (per call {spread(record['collectives'])})" if record["collectives"] else "")]
+    for op in COLLECTIVES:
+        rows = [r for r in record["collectives"] if r["op"] == op]
+        if rows:
+            lines.append(f"    {op:<15}" + "  ".join(f"{r['size'] // 1024}K {r['seconds'] * 1e6:.0f}µs{r['error']:+.0%}"
+                                                 if r['size'] < 2**20 else
+                                                 f"{r['size'] // 2**20}M {r['seconds'] * 1e3:.2f}ms{r['error']:+.0%}"
+                                                 for r in rows))
+    return "\n".join(lines)

@@ -1,0 +1,78 @@
+"""`playground calibrate`: the fits recover known constants, and the command writes a
+profile that plan accepts (gloo on this machine's CPU)."""
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from model import preset
+from playground.calibrate import coefficients, fit_alpha_beta, gemm_shapes, op_class
+from simulator.cost_model import collective_cost
+from simulator.hardware import PROFILES, load_hardware
+
+
+def test_alpha_beta_fit_recovers_the_link_it_was_made_from():
+    base = PROFILES["h200-datasheet"]
+    truth = dataclasses.replace(base, nvlink_latency=30e-6, nvlink_bandwidth=300e9)
+    points = [(op, s, collective_cost("send" if op == "send_recv" else op, s, range(2), truth)[0])
+              for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+              for s in (2**10, 2**16, 2**22, 2**28)]
+    alpha, bandwidth = fit_alpha_beta(points, 2, base)
+    assert alpha == pytest.approx(30e-6, rel=1e-6) and bandwidth == pytest.approx(300e9, rel=1e-6)
+    # a ring all_reduce of p ranks: 2(p-1) steps of α and 2(p-1)/p of the message over β
+    c_alpha, c_beta = coefficients("all_gather", 1e6, 4, base)
+    assert c_alpha == 3 and c_beta == pytest.approx(0.75e6)
+
+
+def test_the_measured_shapes_and_classes():
+    cfg = preset("1b")
+    shapes = gemm_shapes(cfg, 8192)
+    assert len(shapes) == 15 and (8192, cfg.d_model, cfg.vocab_size) in shapes
+    d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
+    block_weights = (d + 2 * kv) * d + d * d + 2 * cfg.d_ff * d + d * cfg.d_ff
+    assert sum(2 * m * k * n for m, k, n in shapes[:12]) == 3 * 2 * 8192 * block_weights  # forward + 2 backward
+    assert [op_class(n) for n in ("aten::mm", "addmm", "_to_copy", "aten::copy_",
+                                  "_scaled_dot_product_cudnn_attention_backward", "mul")] == \
+        ["matmul", "matmul", "copy", "copy", "attention", "elementwise"]
+
+
+def test_calibrate_writes_a_profile_that_plan_takes(tmp_path):
+    out = tmp_path / "cpu.json"
+    r = subprocess.run([sys.executable, "-m", "playground", "calibrate", "--backend", "gloo", "--world", "2",
+                        "--model", "tiny", "--micro-batch-size", "2", "--max-mib", "0.01", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "matmul_fraction" in r.stdout and "nvlink" in r.stdout and "one block + head" in r.stdout
+    hw = load_hardware(str(out))
+    assert hw.name == "cpu" and "calibrate on 2× cpu" in hw.source and hw.kernel_floor > 0
+    record = json.loads(out.read_text())["calibration"]
+    assert {c["op"] for c in record["collectives"]} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                                                        "send_recv"}
+    p = subprocess.run([sys.executable, "-m", "playground", "plan", "--model", "tiny", "--dp", "2",
+                        "--hardware", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "tokens/s" in p.stdout, p.stderr
+
+
+def test_calibrate_refuses_what_it_cannot_run(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "playground", "calibrate", "--out", str(tmp_path / "x.json"), *args],
+                              capture_output=True, text=True, timeout=60)
+    r = run("--backend", "torch")
+    assert r.returncode == 2 and "runs under torchrun" in r.stderr
+    r = run("--backend", "gloo")
+    assert r.returncode == 2 and "needs --world N" in r.stderr
+    r = run("--backend", "gloo", "--world", "2", "--base", "tpu-v9")
+    assert r.returncode == 2 and "--base" in r.stderr and "tpu-v9" in r.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_the_shipped_h200_profile_is_calibrated_and_files_must_be_complete(tmp_path):
+    h200 = load_hardware("h200")
+    assert "playground calibrate" in h200.source and h200.kernel_floor > 0
+    assert load_hardware("h200-datasheet").source.startswith("datasheet")
+    partial = {k: v for k, v in PROFILES["h100-sxm"].to_dict().items() if k != "kernel_floor"}
+    (tmp_path / "p.json").write_text(json.dumps(partial))
+    with pytest.raises(ValueError, match=r"missing \['kernel_floor'\]"):
+        load_hardware(str(tmp_path / "p.json"))
