@@ -1,7 +1,9 @@
 """Benchmark: how close `playground plan` comes to measured GPU steps, in time and memory.
 For each train JSON that benchmarks/fidelity_gpu.sh wrote (the 350m and 1b presets, and
-1b-moe, in bf16 under torchrun on 2× H200; the committed run is
-benchmarks/results/gpu/run9_fidelity), plans the same model and layout on the calibrated
+1b-moe, in bf16 under torchrun on 2× H200; the committed runs are
+benchmarks/results/gpu/run9_fidelity, with the device synchronised at every collective's
+wait, and run12_events, the layouts re-measured after waits stopped synchronising, which
+take the place of run9's), plans the same model and layout on the calibrated
 `h200` profile (simulator/profiles/h200.json, fitted by `playground calibrate` in the same
 session) and prints, per layout: the measured median step (steps after the first) against
 the planned step, and the measured CUDA peak (`torch.cuda.max_memory_allocated`, the
@@ -25,7 +27,8 @@ from model import GPTConfig  # noqa: E402
 from playground import Layout, RunConfig  # noqa: E402
 from playground.planning import plan  # noqa: E402
 
-MEASURED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu", "run9_fidelity")
+GPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu")
+MEASURED = [os.path.join(GPU, "run9_fidelity"), os.path.join(GPU, "run12_events")]
 
 
 def measured_run(path: str) -> RunConfig:
@@ -44,7 +47,8 @@ def compare(path: str, hardware: str) -> dict:
     slowest = max(p.values, key=lambda v: v["step"]["time"])["step"]
     cuda_peak = max(r.get("cuda_peak_allocated", 0) for r in m["memory"])
     planned_peak = max(v["memory"]["peak_total"] for v in p.values)
-    return {"layout": os.path.basename(path)[:-5], "describe": run.layout.describe(), "measured_step_s": measured,
+    return {"layout": os.path.basename(path)[:-5], "measured_in": os.path.basename(os.path.dirname(path)),
+            "describe": run.layout.describe(), "measured_step_s": measured,
             "planned_step_s": p.step_s, "step_error": p.step_s / measured - 1, "planned": slowest,
             "measured_cuda_peak": cuda_peak, "planned_peak": planned_peak,
             "memory_error": planned_peak / cuda_peak - 1 if cuda_peak else None}
@@ -52,26 +56,28 @@ def compare(path: str, hardware: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--measured", default=MEASURED, help="the folder of train JSONs from fidelity_gpu.sh")
+    ap.add_argument("--measured", nargs="+", default=MEASURED,
+                    help="folders of train JSONs from fidelity_gpu.sh (a run in a later one replaces the same-named)")
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--json", default=default_json("fidelity"))
     a = ap.parse_args()
-    rows = [compare(f, a.hardware) for f in sorted(glob.glob(os.path.join(a.measured, "*.json")))
-            if "layout" in json.load(open(f))]
+    runs = {os.path.basename(f): f for d in a.measured for f in sorted(glob.glob(os.path.join(d, "*.json")))
+            if "layout" in json.load(open(f))}
+    rows = [compare(runs[k], a.hardware) for k in sorted(runs)]
     if not rows:
         sys.exit(f"fidelity: no train JSON in {a.measured}")
     within = sum(abs(r["step_error"]) <= 0.10 for r in rows), sum(
         r["memory_error"] is not None and abs(r["memory_error"]) <= 0.10 for r in rows)
     print_table(f"bf16 on 2× H200: planned on {a.hardware} against measured (median step; CUDA peak allocated); "
                 f"within 10%: step {within[0]}/{len(rows)}, memory {within[1]}/{len(rows)}",
-                ["run", "measured step", "planned step", "error", "compute", "exposed comm", "idle",
+                ["run", "measured in", "measured step", "planned step", "error", "compute", "exposed comm", "idle",
                  "CUDA peak", "planned peak", "error"],
-                [[r["layout"], f"{r['measured_step_s'] * 1e3:.1f} ms", f"{r['planned_step_s'] * 1e3:.1f} ms",
+                [[r["layout"], r["measured_in"], f"{r['measured_step_s'] * 1e3:.1f} ms", f"{r['planned_step_s'] * 1e3:.1f} ms",
                   f"{r['step_error']:+.0%}", f"{r['planned']['compute'] * 1e3:.1f} ms",
                   f"{r['planned']['exposed_comm'] * 1e3:.1f} ms", f"{r['planned']['idle'] * 1e3:.1f} ms",
                   human_bytes(r["measured_cuda_peak"]), human_bytes(r["planned_peak"]),
                   f"{r['memory_error']:+.0%}" if r["memory_error"] is not None else "-"] for r in rows])
-    write_json(a.json, {"benchmark": "fidelity", "hardware": a.hardware, "measured_from": os.path.relpath(a.measured),
+    write_json(a.json, {"benchmark": "fidelity", "hardware": a.hardware, "measured_from": [os.path.relpath(d) for d in a.measured],
                         "within_10pct": {"step": within[0], "memory": within[1], "rows": len(rows)}, "rows": rows})
 
 

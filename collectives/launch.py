@@ -252,7 +252,7 @@ def _launch_torchrun(fn, world_size, args, kwargs, timeout) -> LaunchResult:
     import torch
     import torch.distributed as dist
 
-    from .torch_backend import TorchProcessGroup
+    from .torch_backend import DeviceTimes, TorchProcessGroup
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise RuntimeError("backend='torch' runs under torchrun (RANK and WORLD_SIZE are not set); "
@@ -266,8 +266,11 @@ def _launch_torchrun(fn, world_size, args, kwargs, timeout) -> LaunchResult:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
     ledger = Ledger(n)
-    world = TorchProcessGroup(None, range(n), ledger, time.perf_counter())
+    origin = time.perf_counter()
+    world = TorchProcessGroup(None, range(n), ledger, origin,
+                              DeviceTimes(origin) if torch.cuda.is_available() else None)
     value = fn(world, *args, **kwargs)
+    world.resolve_times()
     gathered = [None] * n
     dist.all_gather_object(gathered, (value, ledger.per_rank[dist.get_rank()]))
     return LaunchResult([v for v, _ in gathered], Ledger.merged(n, [l for _, l in gathered]), "torch", n)

@@ -1,9 +1,16 @@
 """The torch backend: the same `ProcessGroup` API over torch.distributed (NCCL on CUDA,
 gloo on CPU). Ledger entries come from the same formulas as on the simulated backend;
-their start and end are measured (seconds since the launch, host clock; on CUDA the
-device is synchronised when a call is waited, so the time covers the transfer)."""
+their start and end are measured in seconds since the launch. On CPUs: the host clock
+(gloo's wait blocks the host until the transfer is done). On CUDA, waiting a call only
+orders the current stream after it (torch's own semantics), and its start and end are CUDA
+events recorded on the current stream when it is issued and when it is waited, turned
+into seconds after the run (`DeviceTimes.resolve`); so the host may run ahead of the
+device, by at most `max_in_flight` waited calls whose transfers have not finished: each
+holds its buffers until NCCL is done with them, and an unbounded run-ahead grew memory up
+to 4× (benchmarks/results/gpu/events_experiment.md)."""
 from __future__ import annotations
 
+import collections
 import pickle
 import time
 import warnings
@@ -24,21 +31,63 @@ _DIST_OP = {
 }
 
 
+class DeviceTimes:
+    """The CUDA events of every call's start and end, resolved into seconds since the
+    launch after the run, and the bound on how far the host runs ahead of the device."""
+
+    def __init__(self, origin: float, max_in_flight: int = 2):
+        self.origin = torch.cuda.Event(enable_timing=True)
+        self.origin.record()
+        self.origin.synchronize()
+        self.offset = time.perf_counter() - origin  # the origin event, in seconds since the launch
+        self.max_in_flight = max_in_flight
+        # (ledger entries, start event, end event): the entries only, not the calls, which hold
+        # the buffers (keeping them to the end of the run kept every collective's tensors alive)
+        self.pending: list = []
+        self.in_flight: collections.deque = collections.deque()  # end events not yet known complete
+
+    @staticmethod
+    def event():
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def ended(self, calls, start) -> None:
+        end = self.event()
+        self.pending.append(([c.entry for c in calls], start, end))
+        self.in_flight.append(end)
+        while len(self.in_flight) > self.max_in_flight:
+            self.in_flight.popleft().synchronize()
+
+    def resolve(self) -> None:
+        """Fill the start and end of every call waited so far (synchronises the device)."""
+        torch.cuda.synchronize()
+        for entries, start, end in self.pending:
+            for e in entries:
+                e.start = self.offset + self.origin.elapsed_time(start) / 1e3
+                e.end = self.offset + self.origin.elapsed_time(end) / 1e3
+        self.pending.clear()
+        self.in_flight.clear()
+
+
 class TorchWork(Work):
-    def __init__(self, works, calls, origin: float, cuda: bool):
-        self._works, self._calls, self._origin, self._cuda = works, calls, origin, cuda
+    def __init__(self, works, calls, origin: float, device_times: DeviceTimes | None, start_event=None):
+        self._works, self._calls, self._origin = works, calls, origin
+        self._times, self._start = device_times, start_event
         self._done = False
 
     def wait(self) -> bool:
         if not self._done:
             for w in self._works:
                 if w is not None:
-                    w.wait()
-            if self._cuda:
-                torch.cuda.synchronize()
-            end = time.perf_counter() - self._origin
+                    w.wait()  # NCCL: the current stream waits for the transfer, not the host
+            if self._times is not None:
+                self._times.ended(self._calls, self._start)
+            else:
+                end = time.perf_counter() - self._origin
+                for c in self._calls:
+                    c.entry.end = end
             for c in self._calls:
-                c.entry.end = end
                 _finish_object(c)
             self._done = True
         return True
@@ -75,13 +124,15 @@ class TorchProcessGroup(ProcessGroup):
     _zero_copy_views = False
     timing = None  # time is measured here, not simulated
 
-    def __init__(self, pg, ranks, ledger: Ledger, origin: float):
+    def __init__(self, pg, ranks, ledger: Ledger, origin: float, device_times: DeviceTimes | None = None):
+        """`device_times`: on CUDA, where the calls' events go (one for the whole world)."""
         self._pg = pg  # torch group handle (None: the default group)
         self.ranks = tuple(ranks)
         self.rank = self.ranks.index(dist.get_rank())
         self.size = len(self.ranks)
         self._ledger = ledger
         self._origin = origin
+        self._times = device_times
 
     def _record(self, call) -> None:
         lst = self._ledger.per_rank[call.rank]
@@ -90,22 +141,35 @@ class TorchProcessGroup(ProcessGroup):
     def _cuda(self, call) -> bool:
         return any(b is not None and b.device == "cuda" for b in call.bufs.values())
 
+    def _timing(self, calls):
+        """(device times, start event) for calls on CUDA tensors; else (None, None), the
+        start taken on the host clock."""
+        if self._times is not None and any(self._cuda(c) for c in calls):
+            return self._times, self._times.event()
+        start = time.perf_counter() - self._origin
+        for c in calls:
+            c.entry.start = start
+        return None, None
+
     def _issue(self, call) -> Work:
-        call.entry.start = time.perf_counter() - self._origin
+        times, start = self._timing([call])
         work = self._start(call)
-        return TorchWork([work], [call], self._origin, self._cuda(call))
+        return TorchWork([work], [call], self._origin, times, start)
 
     def _issue_batch(self, calls) -> list:
         if not calls:
             return []
-        start = time.perf_counter() - self._origin
-        for c in calls:
-            c.entry.start = start
+        times, start = self._timing(calls)
         ops = [dist.P2POp(dist.isend if c.op == "send" else dist.irecv, c.bufs["tensor"].obj,
                           self.ranks[c.root], self._pg) for c in calls]
         works = dist.batch_isend_irecv(ops)
-        shared = TorchWork(works, calls, self._origin, any(self._cuda(c) for c in calls))
+        shared = TorchWork(works, calls, self._origin, times, start)
         return [shared] * len(calls)
+
+    def resolve_times(self) -> None:
+        """Give every call waited so far its measured start and end (CUDA: read the events)."""
+        if self._times is not None:
+            self._times.resolve()
 
     def _start(self, call):
         g, op = self._pg, call.op
@@ -177,4 +241,4 @@ class TorchProcessGroup(ProcessGroup):
         pg = dist.new_group(members)
         if dist.get_rank() not in members:
             return None
-        return TorchProcessGroup(pg, members, self._ledger, self._origin)
+        return TorchProcessGroup(pg, members, self._ledger, self._origin, self._times)
