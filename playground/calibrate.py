@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import os
 import statistics
 import time
 import warnings
@@ -380,8 +379,6 @@ def calibrate(backend: str, world_size: int | None, cfg: GPTConfig, micro_batch:
 def _measure_rank(world, cfg, micro_batch, max_mib, device):
     if device is None:
         device = f"cuda:{dist.get_rank() % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":  # ranks sharing the cores: more threads than cores would spin against each other
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.size))
     return measure(world, cfg, micro_batch, max_mib, device)
 
 
