@@ -1,5 +1,5 @@
 """`playground calibrate`: measure this machine and fit a hardware profile to it
-(docs/architecture.md, "Calibration"; the compute and communication models it fits are
+(docs/architecture.md, Contract 3; the compute and communication models it fits are
 simulator/compute_model.py and simulator/cost_model.py).
 
     torchrun --nproc_per_node 2 -m playground calibrate --backend torch --base h200-datasheet --out h200.json
@@ -15,12 +15,16 @@ from the `--base` profile (datasheet numbers); what is fitted:
   achieved rate (torch's default float32 matmuls, TF32 off).
 - `attention_fraction`: causal `scaled_dot_product_attention` forward and backward at
   the model's shape, FLOPs counted as the compute model counts them (the causal half).
-- `hbm_fraction`: elementwise and normalisation kernels over activation-sized tensors
-  (copy, add, mul, SiLU, RMSNorm's pieces), bytes read and written over the time,
-  the median over those kernels, over the base profile's bandwidth.
-- `kernel_floor`: the time per op of a chain of elementwise ops on tiny tensors, issued
-  back to back: what one small eager op costs (launch, and the host's dispatch when the
-  device is faster).
+- `hbm_fraction`: one block and the head of the model, forward and backward, under
+  torch's profiler: the bytes its copies and elementwise ops (normalisation, RoPE,
+  SwiGLU, the loss) move, as the compute model counts them on meta tensors, over their
+  profiled device time, over the base bandwidth. Without a device profiler (CPUs): the
+  median over elementwise kernels timed alone (copy, add, mul, SiLU, a cast, a scale),
+  which are measured everywhere and kept in the record.
+- `kernel_floor`: the wall time of a tiny forward and backward of that block (batch 1,
+  sequence 16, where every kernel is short) over its kernel count: what the host spends
+  per op in eager PyTorch, autograd included; at least the time per op of a bare chain of
+  tiny adds.
 - `nvlink_latency` (α) and `nvlink_bandwidth` (1/β): all_reduce, all_gather,
   reduce_scatter, all_to_all and send/recv over message sizes from 1 KiB to `--max-mib`
   (nccl-tests sizes), each time against the cost model's formula for that op at this
