@@ -155,11 +155,10 @@ def _die_with_parent(parent: int, outdir: str) -> None:
 
 
 def _gloo_worker(fn, rank, n, store, outdir, args, kwargs, timeout, parent):
+    import torch
     import torch.distributed as dist
 
     from .torch_backend import TorchProcessGroup
-
-    import torch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle: it stops every rank
     _die_with_parent(parent, outdir)

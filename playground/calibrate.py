@@ -109,16 +109,25 @@ def measure_matmuls(cfg, tokens, device, dtype) -> list:
     return rows
 
 
+def counted(program, hw: Hardware | None = None, by_op: bool = False) -> ComputeModel:
+    """The ComputeModel after running `program` (on meta tensors) under it: its FLOPs,
+    kernels and, on `hw`, its time (the profile matters only for time)."""
+    model = ComputeModel(hw or load_hardware("h100-sxm"), RankClock())
+    model.by_op = {} if by_op else None
+    with model:
+        program()
+    return model
+
+
 def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
     """FLOPs of causal attention forward and backward as the compute model counts them:
-    the flash kernel a plan prices, run on meta tensors under a ComputeModel."""
-    hw = load_hardware("h100-sxm")
-    model = ComputeModel(hw, RankClock())
+    the flash kernel a plan prices."""
     q = torch.empty(batch, heads, seq, head_dim, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    with model:
+
+    def program():
         out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0, True)[0]
         out.backward(torch.empty_like(out))
-    return model.flops
+    return counted(program).flops
 
 
 def measure_attention(cfg, batch, device) -> dict:
@@ -180,28 +189,24 @@ def op_class(name: str) -> str:
 
 
 def one_layer_step(cfg: GPTConfig, micro_batch: int, device: str):
-    """(model, step): a one-block GPT of `cfg`'s shapes in bf16 (the compute copies a
-    mixed-precision run computes with) and a function running its forward and backward."""
+    """A function running forward and backward of a one-block GPT of `cfg`'s shapes in bf16
+    (the compute copies a mixed-precision run computes with) on `device`."""
     from model import GPT
     one = cfg.with_(n_layers=1)
     model = GPT(one, dtype=torch.bfloat16, device=device)
-    tokens = torch.randint(0, one.vocab_size, (micro_batch, one.seq_len + 1), device=device)
-    if device == "meta":
-        tokens = torch.empty(micro_batch, one.seq_len + 1, dtype=torch.long, device="meta")
+    shape = (micro_batch, one.seq_len + 1)
+    tokens = (torch.empty(shape, dtype=torch.long, device="meta") if device == "meta"
+              else torch.randint(0, one.vocab_size, shape, device=device))
 
     def step():
         model(tokens[:, :-1], tokens[:, 1:]).backward()
-    return model, step
+    return step
 
 
 def predicted_by_class(cfg, micro_batch, hw: Hardware) -> tuple:
     """({class: [kernels, seconds, bytes]}, total seconds) the compute model gives one
     forward and backward of `one_layer_step` on `hw` (run on meta tensors)."""
-    model = ComputeModel(hw, RankClock())
-    _, step = one_layer_step(cfg, micro_batch, "meta")
-    model.by_op = {}
-    with model:
-        step()
+    model = counted(one_layer_step(cfg, micro_batch, "meta"), hw, by_op=True)
     out: dict = {}
     for name, (k, t, b) in model.by_op.items():
         row = out.setdefault(op_class(name), [0, 0.0, 0])
@@ -215,7 +220,7 @@ def measure_model_kernels(cfg, micro_batch, device) -> dict:
     the device time of each class of op; and the same step at a tiny size (batch 1,
     sequence 16), whose wall time over its kernel count is the host's cost per op."""
     from torch.profiler import ProfilerActivity, profile
-    _, step = one_layer_step(cfg, micro_batch, device)
+    step = one_layer_step(cfg, micro_batch, device)
     out = {"wall_s": timed(step, device, repeats=5)}
     if device.startswith("cuda"):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:  # (aten ops are CPU events)
@@ -230,12 +235,9 @@ def measure_model_kernels(cfg, micro_batch, device) -> dict:
                 device_s[op_class(e.key)] = device_s.get(op_class(e.key), 0.0) + us / 1e6 / 3
         out["device_s"] = device_s
     tiny = cfg.with_(seq_len=16)
-    _, small = one_layer_step(tiny, 1, device)
-    counter = ComputeModel(load_hardware("h100-sxm"), RankClock())
-    _, small_meta = one_layer_step(tiny, 1, "meta")
-    with counter:
-        small_meta()
-    out["tiny_wall_s"], out["tiny_kernels"] = timed(small, device, repeats=5), counter.kernels
+    small = one_layer_step(tiny, 1, device)
+    kernels = counted(one_layer_step(tiny, 1, "meta")).kernels
+    out["tiny_wall_s"], out["tiny_kernels"] = timed(small, device, repeats=5), kernels
     return out
 
 
@@ -273,10 +275,15 @@ def measure_collective(op: str, size: int, device: str) -> float:
         return timed(fns[op], device, repeats=5, inner=inner)
 
 
+def cost_op(op: str) -> str:
+    """The cost model's name for a measured op (a send/recv pair is priced as its send)."""
+    return "send" if op == "send_recv" else op
+
+
 def coefficients(op: str, size: float, p: int, hw: Hardware) -> tuple:
     """(c_α, c_β) with cost = c_α·α + c_β·β for `op` at this size on p ranks of one node,
     under the algorithm the cost model chooses for `hw`."""
-    name = "send" if op == "send_recv" else op
+    name = cost_op(op)
     _, algorithm = collective_cost(name, size, range(p), hw)
     forced = algorithm if name == "all_reduce" else "auto"
     unit_alpha = dataclasses.replace(hw, nvlink_latency=1.0, nvlink_bandwidth=float("inf"))
@@ -347,13 +354,12 @@ def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch:
         source=f"playground calibrate on {p}× {m['device']} ({when}); peaks, HBM bandwidth and network from "
                f"{base.name}{'' if points else '; NVLink not measured (one rank)'}")
     model = ComputeModel(hw, RankClock())
-    record = {"base": base.name, "ranks": p, "device": m["device"], "model": cfg.to_dict() if hasattr(cfg, "to_dict")
-              else dataclasses.asdict(cfg), "micro_batch": micro_batch, "chain_floor_s": m["floor"],
+    record = {"base": base.name, "ranks": p, "device": m["device"], "model": cfg.to_dict(), "micro_batch": micro_batch, "chain_floor_s": m["floor"],
               "matmuls": [], "attention": {}, "elementwise": [], "collectives": []}
-    predicted, total = predicted_by_class(cfg, micro_batch, hw)
+    by_class, total = predicted_by_class(cfg, micro_batch, hw)
     record["one_layer"] = {**one, "predicted_s": total,
-                           "predicted_by_class_s": {c: row[1] for c, row in predicted.items()},
-                           "kernels_by_class": {c: row[0] for c, row in predicted.items()}}
+                           "predicted_by_class_s": {c: row[1] for c, row in by_class.items()},
+                           "kernels_by_class": {c: row[0] for c, row in by_class.items()}}
     for key in ("matmul_bf16", "matmul_fp32"):
         for r in m[key]:
             rate_ = model.flop_rate if key == "matmul_bf16" else model.fp32_rate
@@ -365,8 +371,7 @@ def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch:
         predicted = max(hw.kernel_floor, r["bytes"] / model.byte_rate)
         record["elementwise"].append({**r, "predicted": predicted, "error": predicted / r["seconds"] - 1})
     for op, size, t in points:
-        name_ = "send" if op == "send_recv" else op
-        predicted = collective_cost(name_, size, range(p), hw)[0]
+        predicted = collective_cost(cost_op(op), size, range(p), hw)[0]
         record["collectives"].append({"op": op, "size": size, "seconds": t, "predicted": predicted,
                                       "error": predicted / t - 1})
     return hw, record

@@ -9,7 +9,7 @@ import pytest
 
 from model import preset
 from playground import Layout, RunConfig
-from playground.calibrate import coefficients, fit_alpha_beta, gemm_shapes, op_class
+from playground.calibrate import coefficients, cost_op, fit_alpha_beta, gemm_shapes, op_class
 from playground.cli import main
 from playground.planning import plan
 from simulator.cost_model import collective_cost
@@ -19,7 +19,7 @@ from simulator.hardware import PROFILES, load_hardware
 def test_alpha_beta_fit_recovers_the_link_it_was_made_from():
     base = PROFILES["h200-datasheet"]
     truth = dataclasses.replace(base, nvlink_latency=30e-6, nvlink_bandwidth=300e9)
-    points = [(op, s, collective_cost("send" if op == "send_recv" else op, s, range(2), truth)[0])
+    points = [(op, s, collective_cost(cost_op(op), s, range(2), truth)[0])
               for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
               for s in (2**10, 2**16, 2**22, 2**28)]
     alpha, bandwidth = fit_alpha_beta(points, 2, base)
