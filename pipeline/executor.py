@@ -8,16 +8,13 @@
   so the gradients of the step are those of the mean over the global batch.
 - `RECV_B` receives the gradient of the chunk's output; `B` backpropagates through the
   chunk; `SEND_B` sends the gradient of its input back.
-- Split backward (zero-bubble, Qi et al. 2023): `I` backpropagates through the chunk to
-  its input without the weight branches, asking autograd for the gradient of the input
-  and of the output of every layer that owns parameters (recorded by forward hooks
-  during `F`); `W` then computes only the weights' gradients from those layer-output
-  gradients (for each layer, backward from its output with `inputs` = its own
-  parameters: one layer's gradient must not flow on into earlier layers, whose output
-  gradients I already holds). So I + W do the work of B once, and W needs only the
-  layers' saved inputs. On the first
-  stage, whose input (token ids) has no gradient, I still runs the activation gradients
-  down to the embedding's output.
+- Split backward (zero-bubble, Qi et al. 2023): every linear layer of the chunks runs in
+  split mode (`weight_grad_store.py`). `I` is a plain backward through the chunk to its
+  input in which the linear layers compute their input gradients only and leave (input,
+  output gradient) for W; the graph is freed when I ends, and the few parameters outside
+  linear layers (norms, embedding) get their gradients there. `W` computes the deferred
+  weight gradients, one GEMM per layer, and accumulates them in one autograd call. So
+  I + W do the work of B once, and W holds only the layers' inputs and output gradients.
 
 With data parallelism each chunk has its data-parallel wrapper (DDP, or ZeRO-1: anything
 with `no_sync()`), and every backward of the step runs under `no_sync` except the chunk's
@@ -37,6 +34,8 @@ import contextlib
 
 import torch
 
+from .weight_grad_store import WeightGradStore
+
 
 class PipelineExecutor:
     def __init__(self, chunks: list, group, actions: list, hidden_shape, virtual_stages: int = 1, syncs=None,
@@ -48,21 +47,16 @@ class PipelineExecutor:
         self.unit_costs = unit_costs
         self.hidden_dtype = hidden_dtype
         self.params = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
-        self._recording = None  # where forward hooks put layer outputs during a split-backward F
+        self.weight_grads = None
         if any(a.kind == "I" for a in actions):
+            self.weight_grads = WeightGradStore()
             for c in chunks:
-                for module in c.modules():
-                    if any(True for _ in module.parameters(recurse=False)):
-                        module.register_forward_hook(self._record_output)
+                self.weight_grads.install(c)
         # the index of each chunk's last backward action: gradients are synchronised there
         self.sync_at = {}
         for k, a in enumerate(actions):
             if a.kind in ("B", "W"):
                 self.sync_at[a.chunk] = k
-
-    def _record_output(self, module, args, output) -> None:
-        if self._recording is not None and isinstance(output, torch.Tensor) and output.requires_grad:
-            self._recording.append((output, [q for q in module.parameters(recurse=False) if q.requires_grad]))
 
     def _sync(self, chunk: int, sync: bool):
         """Data parallelism reduces the gradients in this backward call only when `sync`."""
@@ -87,7 +81,7 @@ class PipelineExecutor:
         m = len(inputs)
         last_stage = self.p * self.v - 1
         x_in, out, g_out, g_in = {}, {}, {}, {}
-        layer_out, w_pending = {}, {}  # split backward: layer outputs (F), their gradients (I)
+        w_pending = {}  # split backward: the weight gradients I deferred, per (microbatch, chunk)
         sends = []
         total = torch.zeros((), dtype=torch.float64, device=inputs[0].device)
         prev, nxt = (self.rank - 1) % self.p, (self.rank + 1) % self.p
@@ -101,10 +95,8 @@ class PipelineExecutor:
                 x_in[key] = buf.requires_grad_()
             elif a.kind == "F":
                 x = inputs[a.microbatch] if s == 0 else x_in[key]
-                self._recording = layer_out[key] = []
                 with self._compute("F"):
                     y = self.chunks[a.chunk](x, targets[a.microbatch] if s == last_stage else None)
-                self._recording = None
                 if s == last_stage:
                     y = y / m
                     total += y.detach().double()
@@ -121,25 +113,22 @@ class PipelineExecutor:
                     if a.kind == "B":
                         with self._sync(a.chunk, sync):
                             torch.autograd.backward(out.pop(key), g_out.pop(key, None))
-                    else:  # each layer's weight gradients from its output gradient, kept by I; DDP
-                        layers = w_pending.pop(key)  # reduces once, at the step's last layer
-                        for j, (y, g, params) in enumerate(layers):
-                            with self._sync(a.chunk, sync and j == len(layers) - 1):
-                                torch.autograd.backward(y, g, inputs=params)
+                    else:
+                        with self._sync(a.chunk, sync):
+                            if not WeightGradStore.apply(w_pending.pop(key)) and sync:
+                                # no linear layer in the chunk: a backward that adds zero
+                                p0 = self.params[a.chunk][0]  # still ends in the reduction
+                                torch.autograd.backward(p0, torch.zeros_like(p0))
                 if a.kind == "B" and s > 0:
                     g_in[key] = x_in[key].grad
                 if a.kind == "W" or s == 0:
                     x_in.pop(key, None)
-                layer_out.pop(key, None)
             elif a.kind == "I":
-                layers = layer_out.pop(key)
-                wrt = ([x_in[key]] if s > 0 else []) + [y for y, _ in layers]
-                with self._compute("I"):
-                    grads = torch.autograd.grad(out.pop(key), wrt, g_out.pop(key, None), retain_graph=True,
-                                                allow_unused=True)
+                with self._compute("I"), self._sync(a.chunk, False), self.weight_grads.collect() as deferred:
+                    torch.autograd.backward(out.pop(key), g_out.pop(key, None))
+                w_pending[key] = deferred
                 if s > 0:
-                    g_in[key], grads = grads[0], grads[1:]
-                w_pending[key] = [(y, g, params) for (y, params), g in zip(layers, grads) if g is not None]
+                    g_in[key] = x_in[key].grad
             elif a.kind == "SEND_B":
                 sends.append(self.group.isend(g_in.pop(key), dst=prev, label="pp.gradients"))
                 if key not in out:

@@ -151,10 +151,6 @@ class Layout:
                               f"sequence, so no token reaches the experts twice")
         if self.ac not in AC_MODES:
             raise LayoutError(f"ac={self.ac!r}: choose one of {AC_MODES}")
-        if self.ac == "selective" and self.pp > 1 and self.schedule == "zb1":
-            raise LayoutError("ac='selective' with schedule 'zb1': the split backward runs two backward passes "
-                              "through each block (I, then W), and torch's selective checkpointing allows one; "
-                              "use ac='full' (W then recomputes the block again) or another schedule")
         if self.zero not in (0, 1, 2, 3):
             raise LayoutError(f"zero={self.zero}: choose 0, 1, 2 or 3")
         if self.schedule not in SCHEDULES:

@@ -141,3 +141,37 @@ def test_pipeline_with_tensor_and_data_parallelism(dp, tp, sp, schedule, v, dtyp
                        "layout": Layout(**{**run.layout.__dict__, "tp": tp, "sequence_parallel": sp})})
     rep = check(run)
     assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
+
+
+def test_deferred_weight_gradients_equal_one_backward(monkeypatch):
+    """Split mode (I, then W) gives every parameter the gradient of one plain backward, bit
+    for bit; I leaves the linear layers' weights untouched and W is one autograd call."""
+    import torch
+    from model.gpt import GPT
+    from pipeline.weight_grad_store import WeightGradStore
+    cfg = preset("tiny", n_layers=2, vocab_size=61)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    plain = GPT(cfg, dtype=torch.float64)
+    plain(x, x).backward()
+    split, store = GPT(cfg, dtype=torch.float64), WeightGradStore()
+    assert store.install(split) == 2 * 7 + 1  # q, k, v, o and three SwiGLU matrices per block; the head
+    loss = split(x, x)
+    with store.collect() as deferred:
+        loss.backward()
+    assert len(deferred) == 15 and split.lm_head.weight.grad is None and split.norm.weight.grad is not None
+    calls, backward = [], torch.autograd.backward
+    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: calls.append(1) or backward(*a, **k))
+    assert WeightGradStore.apply(deferred)
+    assert len(calls) == 1
+    for (n, a), b in zip(plain.named_parameters(), split.parameters()):
+        assert torch.equal(a.grad, b.grad), n
+
+
+def test_the_check_catches_a_lost_weight_gradient(monkeypatch):
+    """Sabotage: W drops the last deferred layer of each microbatch (the first linear layer
+    of the chunk); ZB-H1 must then fail the equivalence check."""
+    from pipeline.weight_grad_store import WeightGradStore
+    apply = WeightGradStore.apply
+    monkeypatch.setattr(WeightGradStore, "apply", staticmethod(lambda entries: apply(entries[:-1])))
+    rep = check(_run(2, 4, "zb1"))
+    assert not rep.passed

@@ -1,0 +1,136 @@
+"""Deferred weight gradients for split backward (zero-bubble pipelines, Qi et al. 2023,
+"Zero Bubble Pipeline Parallelism", section 2: B = I + W).
+
+A linear layer's backward is two GEMMs: the input gradient dX = dY·W, which the previous
+stage waits for, and the weight gradient dW = dYᵀ·X, which nobody waits for. In split
+mode every linear layer of a pipeline chunk runs through `DeferredLinear`: its backward
+(the I pass) computes dX only and leaves (X, dY, W) in the chunk's `WeightGradStore`; the
+W pass then computes every stored dW, one GEMM per layer, and accumulates them all with
+one autograd call (so the gradient hooks of data parallelism fire as for any backward).
+This is how the paper's own implementation splits Megatron's linear layers; the
+alternative, one autograd call per layer from that layer's output gradient, costs an
+engine launch per layer and keeps the whole graph alive between I and W.
+
+Parameters outside linear layers (norm weights, embeddings, experts' batched weights)
+receive their gradients in the I pass, as in a plain backward: they are a sliver of the
+work, and the graph can be freed as soon as I is done.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+
+class DeferredLinear(torch.autograd.Function):
+    """y = x·Wᵀ (+ b); backward returns dX and leaves dW (and db) to the store's W pass.
+    The weight and bias enter detached, with the parameters themselves as `params`: autograd
+    has no edge to them here, so a backward through the layer (I) neither accumulates nor
+    announces their gradients (data parallelism's hooks fire in W, with the gradients)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store, params):
+        ctx.save_for_backward(x, weight)
+        ctx.store, ctx.params = store, params
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        ctx.store.defer(x, g, *ctx.params)
+        ctx.store = ctx.params = None
+        # the same GEMM autograd runs for the input of a linear layer
+        dx = g.matmul(weight) if ctx.needs_input_grad[0] else None
+        return dx, None, None, None, None
+
+
+class _DeferLinears(TorchFunctionMode):
+    """Inside one module's forward: route F.linear on that module's weight through
+    DeferredLinear (modules with their own forward, like Megatron's parallel linears, keep
+    their communication: only the GEMM changes)."""
+
+    def __init__(self, store, weight):
+        super().__init__()
+        self.store, self.weight = store, weight
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and len(args) >= 2 and args[1] is self.weight and torch.is_grad_enabled():
+            weight, bias = args[1], args[2] if len(args) > 2 else kwargs.get("bias")
+            return DeferredLinear.apply(args[0], weight.detach(), None if bias is None else bias.detach(), self.store,
+                                        (weight, bias))
+        return func(*args, **kwargs)
+
+
+class WeightGradStore:
+    """The weight gradients one pipeline rank has deferred: `collect()` opens a list for
+    one I pass and returns it; `apply(entries)` is the W pass."""
+
+    def __init__(self):
+        self._open = None
+
+    def install(self, module) -> int:
+        """Put every linear layer (a module whose direct `weight` is a 2-D parameter that
+        requires grad) of `module` in split mode; returns how many."""
+        n = 0
+        for m in module.modules():
+            w = getattr(m, "weight", None)
+            if isinstance(w, torch.nn.Parameter) and w.dim() == 2 and w.requires_grad \
+                    and not isinstance(m, torch.nn.Embedding):
+                m.forward = functools.partial(self._forward, m, m.forward)
+                n += 1
+        return n
+
+    def _forward(self, module, forward, *args, **kwargs):
+        with _DeferLinears(self, module.weight):
+            return forward(*args, **kwargs)
+
+    def defer(self, x, g, weight, bias) -> None:
+        if self._open is None:
+            raise RuntimeError("a deferred linear layer ran backward outside the pipeline's I pass")
+        self._open.append((x, g, weight, bias))
+
+    @contextlib.contextmanager
+    def collect(self):
+        """A context for one I pass; yields the list its linear layers fill."""
+        self._open = []
+        try:
+            yield self._open
+        finally:
+            self._open = None
+
+    @staticmethod
+    def apply(entries: list) -> bool:
+        """The W pass: every deferred layer's dW in one backward call. Returns False if
+        there was nothing to apply."""
+        params = [t for _, _, weight, bias in entries for t in (weight, bias) if t is not None]
+        if params:
+            root = _WeightGradients.apply(entries, *params)
+            root.backward(root)  # the root's gradient is never read: no kernel to make one
+        return bool(params)
+
+
+class _WeightGradients(torch.autograd.Function):
+    """A root whose backward is the W pass: dW = dYᵀ·X (the GEMM autograd runs for a
+    linear layer's weight) and db = Σ dY for each deferred layer, handed to autograd as the
+    gradients of the parameters, so that they are accumulated (the gradient taken over,
+    not copied) and data parallelism's hooks fire, as in any backward."""
+
+    @staticmethod
+    def forward(ctx, entries, *params):
+        ctx.entries = entries
+        return params[0].new_empty(())
+
+    @staticmethod
+    def backward(ctx, _):
+        grads = []
+        for x, g, _, bias in ctx.entries:
+            g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+            grads.append(g2.t().mm(x2))
+            if bias is not None:
+                grads.append(g2.sum(0))
+        ctx.entries = None
+        return (None, *grads)
