@@ -5,11 +5,12 @@ checkpointing (none / selective / full), measured by `playground plan` on meta t
 - this block counted term by term as Korthikanti et al. 2022 count theirs (section 4.1),
   in bytes per s·b·h (s sequence, b micro-batch, h d_model, t tensor-parallel degree,
   k = kv_dim/h, f = d_ff/h, a heads; bf16 activations, e = 2 bytes):
-    RMSNorm (each of 2): its fp32 copy of the input (2e), the normalised input (e) and its
-    output, which the next matmuls keep (e); attention: q after RoPE (e: RoPE's products
-    keep only the tables), k after RoPE and v, each repeated to every query head before
-    the kernel (grouped-query attention's k/v heads are expanded: e each, whatever k), the
-    kernel's output (e) and its head-merged copy, the input of wo (e); the flash kernel
+    RMSNorm (each of 2, one fused kernel): its input (e), its fp32 1/rms per token (4/h)
+    and its output, which the next matmuls keep (e); attention: q after RoPE (e: RoPE's
+    products keep only the tables), k after RoPE and v, each repeated to every query head
+    before the kernel (grouped-query attention's k/v heads are expanded: e each, whatever
+    k), the kernel's output (e), which is also wo's input (RoPE runs in (s, b, heads)
+    order, so merging the heads back is a view, not a copy); the flash kernel
     keeps a log-sum-exp (4a/h) instead of the s² scores; SwiGLU: the gate and up projections, the SiLU output and the product (4fe);
     with tensor parallelism the norms stay whole; with sequence parallelism a norm's own
     tensors take 1/t and its output is kept all-gathered (whole, e);
@@ -49,11 +50,11 @@ def this_block(mode: str, c: GPTConfig, t: int, sp: bool) -> float:
     if mode == "selective":
         kept = E * (1 / (t if sp else 1) + (1 + 2 * k + 1 + 2 * f) / t + 2)
         return kept + lse
-    if sp:  # each norm: fp32 copy, normalised output (the slice), the gathered output (whole)
-        norms = 2 * (3 * E / t + E) + rsqrt
-    else:  # each norm: fp32 copy, normalised output, the output the next matmuls keep
-        norms = 2 * 4 * E + rsqrt
-    return norms + E * (5 + 4 * f) / t + lse
+    if sp:  # each norm: its input (the slice), the gathered output (whole)
+        norms = 2 * (E / t + E) + rsqrt
+    else:  # each norm: its input, the output the next matmuls keep
+        norms = 2 * 2 * E + rsqrt
+    return norms + E * (4 + 4 * f) / t + lse
 
 
 def korthikanti(mode: str, c: GPTConfig, t: int, sp: bool) -> float:

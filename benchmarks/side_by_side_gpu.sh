@@ -2,7 +2,9 @@
 # The playground against plain PyTorch on the same GPUs, model and batch (bf16): each pair
 # runs torch's side (benchmarks/gpu_side_by_side.py) and then the playground's
 # (`playground train --backend torch`). Arguments: the pairs to run (default: all of them,
-# then one torch-profiler run of each DDP side, benchmarks/gpu_profile.py). Logs and JSON in
+# then one torch-profiler run of each DDP side, benchmarks/gpu_profile.py; `kernels`:
+# benchmarks/kernels_gpu.py, the model's element-wise parts before and after; `*_copies`: the
+# playground alone with --bf16-copies; `profile_single`: its one-GPU step profiled). Logs and JSON in
 # $LOGS, packed into $OUT/gpu_logs.tgz; benchmarks/side_by_side.py tabulates them.
 set -uo pipefail
 source benchmarks/gpu_common.sh
@@ -29,6 +31,15 @@ pair() {
                pg pg_single_1b_b4 1 --model 1b --micro-batch-size 4 ;;
     single_1b_compile) torch_side torch_single_1b_b4_compile 1 --mode single --model 1b --mbs 4 --compile
                        pg pg_single_1b_b4_compile 1 --model 1b --micro-batch-size 4 --compile ;;
+    single_1b_copies) pg pg_single_1b_b4_copies 1 --model 1b --micro-batch-size 4 --bf16-copies ;;
+    single_1b_compile_copies) pg pg_single_1b_b4_compile_copies 1 --model 1b --micro-batch-size 4 --bf16-copies --compile ;;
+    profile_single) timeout 150 torchrun --nproc_per_node 1 benchmarks/gpu_profile.py --out "$LOGS" \
+                      --name profile_playground_single_1b_b4 --side playground -- train --model 1b --micro-batch-size 4 \
+                      --bf16-copies --dtype bfloat16 --steps 4 --backend torch --no-progress 2>&1 | grep -v "^W1" \
+                      > "$LOGS/profile_single.log"
+                    echo "== profile single: $(head -2 "$LOGS/profile_playground_single_1b_b4.txt" | tail -1)" ;;
+    kernels) timeout 120 python benchmarks/kernels_gpu.py --model 1b --micro-batch-size 4 --json "$LOGS/kernels.json" \
+               2>&1 | tee "$LOGS/kernels.log" ;;
     profile) for side in torch playground; do
                if [ $side = torch ]; then args="--mode ddp --model 1b --mbs 8 --steps 6"
                else args="train --model 1b --dp 2 --micro-batch-size 8 --dtype bfloat16 --steps 6 --backend torch --no-progress"; fi

@@ -8,9 +8,12 @@ every strategy maps its shards to (`blocks.3.attn.wq.weight`).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .config import GPTConfig
 from .init import init_weights
@@ -23,28 +26,76 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d))
 
-    def normalize(self, x):
-        """x / rms(x), in at least float32 (as LLaMA does): in fp16 the squares' mean and
-        its rsqrt lose too much, and backward produced NaNs."""
-        h = x.to(torch.promote_types(x.dtype, torch.float32))
-        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
     def forward(self, x):
-        return self.normalize(x) * self.weight
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x, weight, eps: float):
+    """x / rms(x) · weight, computed in at least float32 (as LLaMA does: in fp16 the squares'
+    mean and its rsqrt lose too much) and returned in x's dtype. On CUDA torch's
+    `F.rms_norm`: one fused kernel forward, one backward. Elsewhere (the CPU ranks, and the
+    meta device a plan runs on) `FusedRMSNorm`, the same arithmetic op by op, which the
+    simulator prices as those fused kernels."""
+    if x.is_cuda:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return FusedRMSNorm.apply(x, weight, eps)
+
+
+def _fused_kernel(io_bytes: int):
+    """The ops inside as one kernel moving io_bytes, for the simulator's compute model when
+    one is counting (a dispatch mode with `fused`: simulator/compute_model.py); else nothing."""
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if hasattr(mode, "fused"):
+            return mode.fused(io_bytes)
+    return contextlib.nullcontext()
+
+
+class FusedRMSNorm(torch.autograd.Function):
+    """RMSNorm as torch's fused CUDA kernels compute and keep it: forward reads x and the
+    weight and writes y, keeping x and the float32 reciprocal rms r for backward; backward
+    is one kernel writing dx = r·(dn − n·mean(dn·n)) (n = x·r, dn = dy·w) and one reduction
+    to dw = Σ dy·n. The arithmetic runs op by op here, each pass priced as one kernel."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        with _fused_kernel(2 * x.nbytes + weight.nbytes + h[..., :1].nbytes):
+            r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+            y = (h * r * weight.to(h.dtype)).to(x.dtype)
+        ctx.save_for_backward(x, weight, r)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, r = ctx.saved_tensors
+        dw = None
+        with _fused_kernel(3 * x.nbytes + weight.nbytes + r.nbytes):
+            h = x.to(r.dtype)
+            n, g = h * r, dy.to(r.dtype)
+            dn = g * weight.to(r.dtype)
+            dx = (r * (dn - n * (dn * n).mean(-1, keepdim=True))).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            with _fused_kernel(2 * x.nbytes + r.nbytes + weight.nbytes):
+                dw = (g * n).flatten(0, -2).sum(0).to(weight.dtype)
+        return dx, dw, None
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float, dtype, device):
-    """cos and sin of the rotary angles, (seq_len, head_dim/2)."""
+    """The rotary tables (seq_len, head_dim): cos of each pair's angle in both halves, and
+    its sin with the first half negated, so that rotating x is x·cos + roll(x)·sin."""
     inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv)
-    return angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device)
+    cos, sin = angles.cos(), angles.sin()
+    return (torch.cat((cos, cos), -1).to(dtype=dtype, device=device),
+            torch.cat((-sin, sin), -1).to(dtype=dtype, device=device))
 
 
 def apply_rope(x, cos, sin):
-    """Rotate pairs (x[..., :h/2], x[..., h/2:]) of x (batch, heads, seq, head_dim)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    """Rotate pairs (x[..., :h/2], x[..., h/2:]) of x (batch, seq, heads, head_dim) by the
+    tables' rows (seq, head_dim): (x1·cos − x2·sin, x2·cos + x1·sin), as x·cos +
+    roll(x)·sin, where roll(x) = (x2, x1): four kernels each way instead of a cat of two
+    halves each built from two products."""
+    return x * cos[:, None] + x.roll(x.shape[-1] // 2, -1) * sin[:, None]
 
 
 def expand_kv(k, n_heads: int):
@@ -89,9 +140,11 @@ class Attention(nn.Module):
         """cos, sin: the rotary tables of the positions of x's tokens (the first s rows). The
         core gets k and v with their own (kv) heads: it expands them to the query heads."""
         b, s, _ = x.shape
-        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k, v = (w(x).view(b, s, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        # rotated in (batch, seq, heads, head_dim) order: the attention kernel then writes its
+        # output in that order too, and the transpose back below is free (no copy)
         q, k = apply_rope(q, cos[:s], sin[:s]), apply_rope(k, cos[:s], sin[:s])
-        y = self.core(q, k, v)
+        y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from model.gpt import RMSNorm
+from model.gpt import RMSNorm, rms_norm
 from model.moe import MoE
 
 from .cross_entropy import VocabParallelCrossEntropy
@@ -65,7 +65,7 @@ class SequenceParallelRMSNorm(RMSNorm):
         self.eps, self.weight, self.group = norm.eps, norm.weight, group
 
     def forward(self, x):
-        return self.normalize(x) * copy_to_tp(self.weight, self.group, "tp.sp_norm_grads")
+        return rms_norm(x, copy_to_tp(self.weight, self.group, "tp.sp_norm_grads"), self.eps)
 
 
 def check_tensor_parallel(config, tp: int, sequence_parallel: bool) -> None:

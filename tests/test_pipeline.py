@@ -98,18 +98,22 @@ def test_bubble_on_the_simulated_clock_matches_theory(schedule, v, m):
 
 
 def test_activation_memory_gpipe_holds_m_microbatches_1f1b_at_most_p():
+    """Stage 0's peak: one microbatch's backward transients over the activations of the
+    microbatches it holds (GPipe m, 1F1B p − r on rank r), each one microbatch's worth."""
     p = 4
-    one = measure(_run(p, 1, "gpipe", n_layers=4))["peak_activations"][0]  # one microbatch on stage 0
+    first = measure(_run(p, 1, "gpipe", n_layers=4))["peak_activations"][0]  # one microbatch on stage 0
+    one = measure(_run(p, 2, "gpipe", n_layers=4))["peak_activations"][0] - first  # each further one
+    assert one > 0.9 * first
     for m in (4, 8):
         gpipe = measure(_run(p, m, "gpipe", n_layers=4))["peak_activations"]
         ofob = measure(_run(p, m, "1f1b", n_layers=4))["peak_activations"]
-        assert gpipe[0] == pytest.approx(m * one, rel=0.01)
-        assert ofob[0] == pytest.approx(p * one, rel=0.01)
+        assert gpipe[0] == pytest.approx(first + (m - 1) * one, rel=0.01)
+        assert ofob[0] == pytest.approx(first + (p - 1) * one, rel=0.01)
         for r in range(p - 1):  # stage r holds p − r microbatches (the last stage adds the head's activations)
-            assert ofob[r] == pytest.approx((p - r) * one, rel=0.01)
+            assert ofob[r] == pytest.approx(first + (p - r - 1) * one, rel=0.01)
     # ZB-H1 is bounded like 1F1B, not by m (a W-pending graph must not outlive its W)
     zb = [measure(_run(p, m, "zb1", n_layers=4))["peak_activations"] for m in (8, 16)]
-    assert zb[1] == pytest.approx(zb[0], rel=0.01) and max(zb[0]) < 2 * p * one  # (the token ids grow with m)
+    assert zb[1] == pytest.approx(zb[0], rel=0.02) and max(zb[0]) < 2 * p * one  # (the token ids grow with m)
 
 
 def test_split_backward_does_the_work_of_one_backward():
