@@ -74,15 +74,26 @@ class WeightGradStore:
 
     def install(self, module) -> int:
         """Put every linear layer (a module whose direct `weight` is a 2-D parameter that
-        requires grad) of `module` in split mode; returns how many."""
+        requires grad) of `module` in split mode; returns how many. A plain nn.Linear calls
+        DeferredLinear directly; other modules (Megatron's parallel linears, a router) run
+        their own forward with their F.linear routed to it."""
         n = 0
         for m in module.modules():
             w = getattr(m, "weight", None)
             if isinstance(w, torch.nn.Parameter) and w.dim() == 2 and w.requires_grad \
                     and not isinstance(m, torch.nn.Embedding):
-                m.forward = functools.partial(self._forward, m, m.forward)
+                if type(m) is torch.nn.Linear:
+                    m.forward = functools.partial(self._linear, m)
+                else:
+                    m.forward = functools.partial(self._forward, m, m.forward)
                 n += 1
         return n
+
+    def _linear(self, module, x):
+        w, b = module.weight, module.bias
+        if not torch.is_grad_enabled():
+            return F.linear(x, w, b)
+        return DeferredLinear.apply(x, w.detach(), None if b is None else b.detach(), self, (w, b))
 
     def _forward(self, module, forward, *args, **kwargs):
         with _DeferLinears(self, module.weight):
