@@ -41,12 +41,12 @@ def rms_norm(x, weight, eps: float):
     return FusedRMSNorm.apply(x, weight, eps)
 
 
-def _fused_kernel(io_bytes: int):
+def _fused_kernel(io_bytes: int, name: str):
     """The ops inside as one kernel moving io_bytes, for the simulator's compute model when
     one is counting (a dispatch mode with `fused`: simulator/compute_model.py); else nothing."""
     for mode in reversed(_get_current_dispatch_mode_stack()):
         if hasattr(mode, "fused"):
-            return mode.fused(io_bytes)
+            return mode.fused(io_bytes, name)
     return contextlib.nullcontext()
 
 
@@ -59,7 +59,7 @@ class FusedRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
         h = x.to(torch.promote_types(x.dtype, torch.float32))
-        with _fused_kernel(2 * x.nbytes + weight.nbytes + h[..., :1].nbytes):
+        with _fused_kernel(2 * x.nbytes + weight.nbytes + h[..., :1].nbytes, "_fused_rms_norm"):
             r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
             y = (h * r * weight.to(h.dtype)).to(x.dtype)
         ctx.save_for_backward(x, weight, r)
@@ -69,13 +69,13 @@ class FusedRMSNorm(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, r = ctx.saved_tensors
         dw = None
-        with _fused_kernel(3 * x.nbytes + weight.nbytes + r.nbytes):
+        with _fused_kernel(3 * x.nbytes + weight.nbytes + r.nbytes, "_fused_rms_norm_backward"):
             h = x.to(r.dtype)
             n, g = h * r, dy.to(r.dtype)
             dn = g * weight.to(r.dtype)
             dx = (r * (dn - n * (dn * n).mean(-1, keepdim=True))).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            with _fused_kernel(2 * x.nbytes + r.nbytes + weight.nbytes):
+            with _fused_kernel(2 * x.nbytes + r.nbytes + weight.nbytes, "_fused_rms_norm_backward"):
                 dw = (g * n).flatten(0, -2).sum(0).to(weight.dtype)
         return dx, dw, None
 

@@ -164,11 +164,11 @@ class ComputeModel(TorchDispatchMode):
         return self.flop_rate if _first_dtype(args) in _HALF else self.fp32_rate
 
     @contextlib.contextmanager
-    def fused(self, io_bytes: int):
+    def fused(self, io_bytes: int, name: str = "fused"):
         """The ops inside run as one fused kernel (FlashAttention's tiles stay on chip): their
         FLOPs are counted as usual, their intermediate tensors move no HBM bytes; the
         region costs max(floor, Σ FLOPs / rate, io_bytes / bandwidth), io_bytes being what
-        the kernel reads and writes in HBM."""
+        the kernel reads and writes in HBM. `name`: the kernel's row in `by_op`."""
         # (the mode may sit below others: activation checkpointing pushes its own)
         if self._fused is not None or self not in _get_current_dispatch_mode_stack():
             yield self  # nested (part of the outer kernel), or not counting (a replayed step)
@@ -180,14 +180,18 @@ class ComputeModel(TorchDispatchMode):
             seconds, self._fused = self._fused[0], None
             self.bytes += io_bytes
             self.kernels += 1
-            self.clock.advance(max(self.floor, seconds, io_bytes / self.byte_rate))
+            cost = max(self.floor, seconds, io_bytes / self.byte_rate)
+            self.clock.advance(cost)
+            if self.by_op is not None:
+                row = self.by_op.setdefault(name, [0, 0.0, 0])
+                row[0], row[1], row[2] = row[0] + 1, row[1] + cost, row[2] + io_bytes
 
     def optimizer_step(self, optimizer):
         """Around `optimizer.step()`: the step as torch's fused AdamW runs it on a GPU, one
         kernel reading parameter, gradient and both moments and writing parameter and
         moments (7 tensors' bytes), instead of the ops of the implementation that runs here."""
         n = sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
-        return self.fused(7 * n)
+        return self.fused(7 * n, "_fused_adamw")
 
     @contextlib.contextmanager
     def step(self, mode=None):
