@@ -1,14 +1,15 @@
 """Benchmark: how close `playground plan` comes to measured GPU steps, in time and memory.
 For each train JSON that benchmarks/fidelity_gpu.sh wrote (the 350m and 1b presets, and
-1b-moe, in bf16 under torchrun on 2× H200; the committed runs are
-benchmarks/results/gpu/run9_fidelity, with the device synchronised at every collective's
-wait, and run12_events, the layouts re-measured after waits stopped synchronising, which
-take the place of run9's), plans the same model and layout on the calibrated
-`h200` profile (simulator/profiles/h200.json, fitted by `playground calibrate` in the same
-session) and prints, per layout: the measured median step (steps after the first) against
+1b-moe, in bf16 under torchrun on 2× H200, with the model as it is now (fused RMSNorm,
+RoPE without a cat); the committed runs are benchmarks/results/gpu/run13_kernels (1b one
+GPU and both pipelines), run14_side_by_side (350m pipelines, measured again: they take the
+place of run13's) and run15_fidelity (the rest, in the session on the machine that
+`playground calibrate` fitted the shipped `h200` profile on)), plans the same model and
+layout on that profile (simulator/profiles/h200.json) and prints, per layout: the measured median step (steps after the first) against
 the planned step, and the measured CUDA peak (`torch.cuda.max_memory_allocated`, the
 largest over the ranks) against the planned peak, with the relative error of each; and the
-planned step's split into compute, exposed communication and idle. Writes JSON.
+planned step's split into compute, host (the device waiting for the host to issue
+kernels: the compute model's two queues), exposed communication and idle. Writes JSON.
 
 The measured runs without ZeRO use `--bf16-copies` (bf16 compute copies with fp32 master
 weights), the mixed precision a plan prices; with ZeRO that is ZeRO's own.
@@ -28,7 +29,7 @@ from playground import Layout, RunConfig  # noqa: E402
 from playground.planning import plan  # noqa: E402
 
 GPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu")
-MEASURED = [os.path.join(GPU, "run9_fidelity"), os.path.join(GPU, "run12_events")]
+MEASURED = [os.path.join(GPU, name) for name in ("run13_kernels", "run14_side_by_side", "run15_fidelity")]
 
 
 def measured_run(path: str) -> RunConfig:
@@ -62,7 +63,7 @@ def main() -> None:
     ap.add_argument("--json", default=default_json("fidelity"))
     a = ap.parse_args()
     runs = {os.path.basename(f): f for d in a.measured for f in sorted(glob.glob(os.path.join(d, "*.json")))
-            if "layout" in json.load(open(f))}
+            if "layout" in json.load(open(f)) and not os.path.basename(f).startswith("pg_")}  # (side-by-side runs)
     rows = [compare(runs[k], a.hardware) for k in sorted(runs)]
     if not rows:
         sys.exit(f"fidelity: no train JSON in {a.measured}")
@@ -70,10 +71,11 @@ def main() -> None:
         r["memory_error"] is not None and abs(r["memory_error"]) <= 0.10 for r in rows)
     print_table(f"bf16 on 2× H200: planned on {a.hardware} against measured (median step; CUDA peak allocated); "
                 f"within 10%: step {within[0]}/{len(rows)}, memory {within[1]}/{len(rows)}",
-                ["run", "measured in", "measured step", "planned step", "error", "compute", "exposed comm", "idle",
+                ["run", "measured in", "measured step", "planned step", "error", "compute", "host", "exposed comm", "idle",
                  "CUDA peak", "planned peak", "error"],
                 [[r["layout"], r["measured_in"], f"{r['measured_step_s'] * 1e3:.1f} ms", f"{r['planned_step_s'] * 1e3:.1f} ms",
                   f"{r['step_error']:+.0%}", f"{r['planned']['compute'] * 1e3:.1f} ms",
+                  f"{r['planned']['host'] * 1e3:.1f} ms",
                   f"{r['planned']['exposed_comm'] * 1e3:.1f} ms", f"{r['planned']['idle'] * 1e3:.1f} ms",
                   human_bytes(r["measured_cuda_peak"]), human_bytes(r["planned_peak"]),
                   f"{r['memory_error']:+.0%}" if r["memory_error"] is not None else "-"] for r in rows])

@@ -24,7 +24,6 @@ each rank moves per step by label.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from dataclasses import dataclass, replace
@@ -53,7 +52,7 @@ def plan_rank(world, run) -> dict:
     clock, compute = world.timing.clock, world.timing.compute_model
     replicas = data_parallel_group(mesh, layout)
     for step in range(2):  # the first makes AdamW's moments; its ops need no counting
-        with compute.paused() if step == 0 else contextlib.nullcontext():
+        with compute.paused() if step == 0 else compute.step():  # (a step starts with host and device in step)
             before = clock.breakdown()
             total = model.run_step(micro, lambda: memory.track_activations(exclude=model.params))
             model.step()
@@ -168,10 +167,11 @@ def summary(p: Plan) -> str:
                 "every rank run: the ranks of a stage sit differently across nodes)")]
     pipeline = layout.pp > 1
     rows = [[f"{v['step']['time'] * 1e3:.2f} ms", f"{v['step']['compute'] * 1e3:.2f} ms",
-             f"{v['step']['exposed_comm'] * 1e3:.2f} ms", f"{v['step']['idle'] * 1e3:.2f} ms"]
+             f"{v['step']['host'] * 1e3:.2f} ms", f"{v['step']['exposed_comm'] * 1e3:.2f} ms", f"{v['step']['idle'] * 1e3:.2f} ms"]
             + ([f"{v['step']['bubble'] * 1e3:.2f} ms"] if pipeline else []) for v in p.values]
-    lines.append("\nthe step per class of ranks (idle: waiting for peers, a pipeline's bubble included):")
-    header = ["ranks", "step", "compute", "exposed comm", "idle"] + (["of it pipeline bubble"] if pipeline else [])
+    lines.append("\nthe step per class of ranks (host: the device waiting for the host to issue kernels; idle: "
+                 "waiting for peers, a pipeline's bubble included):")
+    header = ["ranks", "step", "compute", "host", "exposed comm", "idle"] + (["of it pipeline bubble"] if pipeline else [])
     lines.append(table(header, [[_rank_ranges(r), *row] for r, row in _classes(rows)], left=1))
     cap = hw.hbm_capacity
     rows = []

@@ -229,7 +229,8 @@ def write_plan_plots(p, directory: str) -> list:
             for r in range(len(p.values))]  # (a plan runs two steps)
     mem_keys = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer",
                 "peak_activations": "activations (peak)", "peak_comm_buffers": "comm buffers (peak)"}
-    step_keys = {"compute": "compute", "exposed_comm": "exposed communication", "idle": "idle (bubble, waits)"}
+    step_keys = {"compute": "compute", "host": "waiting for the host", "exposed_comm": "exposed communication",
+                 "idle": "idle (bubble, waits)"}
     rows = [(*(v["step"][k] for k in step_keys), *(v["memory"][k] for k in mem_keys), *s)
             for v, s in zip(p.values, sent)]
     classes = _classes(rows)

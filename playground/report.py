@@ -151,11 +151,13 @@ def simulated_time(res) -> str:
         b = per_rank[r]
         tags = [t for t, k in (("slowest", slowest), ("most compute", busiest)) if k == r and n > 1]
         rows.append([f"rank {r}" + (f" ({', '.join(tags)})" if tags else ""), f"{b['time'] * 1e3:.3f} ms",
-                     f"{b['compute'] * 1e3:.3f} ms", f"{b['exposed_comm'] * 1e3:.3f} ms", f"{b['idle'] * 1e3:.3f} ms"]
+                     f"{b['compute'] * 1e3:.3f} ms", f"{b['host'] * 1e3:.3f} ms", f"{b['exposed_comm'] * 1e3:.3f} ms",
+                     f"{b['idle'] * 1e3:.3f} ms"]
                     + ([f"{b['bubble'] * 1e3:.3f} ms"] if pipeline else []))
     tokens = res.run.tokens_per_step / per_rank[slowest]["time"]
-    return (f"\nsimulated on {res.run.hardware} (median step; roofline per op, alpha-beta per collective): "
-            f"{tokens:,.0f} tokens/s\n" + table(["", "step", "compute", "exposed comm", "idle"]
+    return (f"\nsimulated on {res.run.hardware} (median step; roofline per op behind a host issuing one op per "
+            f"kernel floor, alpha-beta per collective; host: the device waiting for the host): "
+            f"{tokens:,.0f} tokens/s\n" + table(["", "step", "compute", "host", "exposed comm", "idle"]
                                                 + (["of it pipeline bubble"] if pipeline else []), rows, left=1))
 
 

@@ -78,7 +78,7 @@ def train_json(res) -> dict:
         for r, v in enumerate(res.values):
             ordered = sorted(v["sim_steps"], key=lambda b: b["time"])
             b = ordered[len(ordered) // 2]
-            per_rank.append({"rank": r, "step_s": b["time"], "compute_s": b["compute"],
+            per_rank.append({"rank": r, "step_s": b["time"], "compute_s": b["compute"], "host_s": b["host"],
                              "exposed_comm_s": b["exposed_comm"], "idle_s": b["idle"], "bubble_s": b["bubble"]})
         slowest = max(x["step_s"] for x in per_rank)
         out["simulated"] = {"hardware": run.hardware, "per_rank": per_rank,

@@ -1,7 +1,14 @@
 """The simulated clock of one rank (docs/architecture.md, Contract 3): a compute stream and, per
 process group, a communication stream (as ProcessGroupNCCL keeps one stream per group).
 
-- Compute advances by the modelled time of each op the rank runs (`advance`).
+- Compute advances by the modelled time of each op the rank runs (`launch`): host and
+  device are two queues. The host issues each op one floor after the previous one; the
+  device runs it once it is issued and the previous op is done, so before an op the host
+  has not issued yet the device waits (kept apart as *host*: the step is then the host's
+  issuing, not the device's work). A value read on the host (`synchronize`) makes the
+  host wait for the device; so does waiting a call when more than `MAX_IN_FLIGHT` waited
+  calls are unfinished on the device (the host then waits for the oldest: the torch
+  backend's bound on its run-ahead, `DeviceTimes`); each step starts with the two in step.
 - A call is *ready* on its group's stream when the rank issues it and the stream has
   finished its previous call; a collective starts when its last member is ready and
   lasts its alpha-beta cost; every member's stream is then busy until it ends.
@@ -15,13 +22,19 @@ process group, a communication stream (as ProcessGroupNCCL keeps one stream per 
 Record and replay. Counting every op through Python costs more than the op itself on
 small models (and serialises the rank threads on the GIL), while the steps of a training
 loop repeat the same ops. So a step can be *recorded*: the clock keeps, in order, each
-communication event of the rank (a call issued on a stream, a wait) with the compute
-counted since the previous one. A *replayed* step runs with op counting off and, at each
-event, charges the recorded compute, after checking that the event is the one recorded
-at that position (`ReplayMismatchError` otherwise: the step did not repeat, so its
-compute is unknown, and the run stops rather than report a wrong time).
+communication event of the rank (a call issued on a stream, a wait) with the kernels
+launched (and host reads) since the previous one. A *replayed* step runs with op
+counting off and, at each event, launches the recorded kernels again through the two
+queues (the host's lead depends on the waits, which may differ from the recorded step's),
+after checking that the event is the one recorded at that position
+(`ReplayMismatchError` otherwise: the step did not repeat, so its compute is unknown,
+and the run stops rather than report a wrong time).
 """
 from __future__ import annotations
+
+import collections
+
+MAX_IN_FLIGHT = 2  # waited calls the torch backend lets the host run ahead of (DeviceTimes)
 
 
 class ReplayMismatchError(RuntimeError):
@@ -29,13 +42,14 @@ class ReplayMismatchError(RuntimeError):
 
 
 class RankClock:
-    __slots__ = ("now", "streams", "compute", "exposed", "idle", "bubble", "segments", "_segment_start",
-                 "_script", "_mode", "_pos", "_since")
+    __slots__ = ("now", "streams", "compute", "host", "exposed", "idle", "bubble", "segments", "_segment_start",
+                 "_script", "_mode", "_pos", "_ops", "issued", "in_flight")
 
     def __init__(self):
         self.now = 0.0  # the compute stream's time
         self.streams: dict = {}  # group key -> time its communication stream is free
         self.compute = 0.0  # seconds of modelled compute
+        self.host = 0.0  # seconds the device waited for the host to issue an op
         self.exposed = 0.0  # seconds compute stalled on communication
         self.idle = 0.0  # seconds compute stalled waiting for peers to arrive
         self.bubble = 0.0  # the part of idle spent waiting on pipeline neighbours (pp.* calls)
@@ -44,7 +58,9 @@ class RankClock:
         self._script: list = []  # the recorded step: (event, compute before it), then the tail
         self._mode = None  # None (count ops), "record" or "replay"
         self._pos = 0
-        self._since = 0.0
+        self._ops: list = []  # recording: the launches and host reads since the previous event
+        self.issued = None  # when the host issued its last op (None: in step with the device)
+        self.in_flight = collections.deque()  # when the device passes each waited call
 
     # -- record and replay --------------------------------------------------------------
     def begin_step(self, mode) -> None:
@@ -53,22 +69,23 @@ class RankClock:
             raise ValueError(f"step mode must be None, 'record' or 'replay', not {mode!r}")
         if mode == "replay" and not self._script:
             raise ReplayMismatchError("a step can be replayed only after one was recorded")
-        self._mode, self._pos, self._since = mode, 0, self.compute
+        self._mode, self._pos, self._ops, self.issued = mode, 0, [], None
+        self.in_flight.clear()
         if mode == "record":
             self._script = []
 
     def end_step(self) -> None:
         """End the step: record or charge the compute after its last event."""
         if self._mode == "record":
-            self._script.append(("end of step", self.compute - self._since))
+            self._script.append(("end of step", self._ops))
         elif self._mode == "replay":
             self._event("end of step")
         self._mode = None
 
     def _event(self, what) -> None:
         if self._mode == "record":
-            self._script.append((what, self.compute - self._since))
-            self._since = self.compute
+            self._script.append((what, self._ops))
+            self._ops = []
         elif self._mode == "replay":
             if self._pos >= len(self._script) or self._script[self._pos][0] != what:
                 expected = self._script[self._pos][0] if self._pos < len(self._script) else "nothing more"
@@ -76,10 +93,35 @@ class RankClock:
                     f"replayed step, communication event #{self._pos}: the recorded step had {expected!r} here, "
                     f"this step has {what!r}. Steps that differ cannot be replayed; count every step instead "
                     f"(playground train --count-every-step).")
-            self.advance(self._script[self._pos][1])
+            for op in self._script[self._pos][1]:
+                self._apply(*op)
             self._pos += 1
 
     def advance(self, seconds: float) -> None:
+        """Compute for `seconds` (a fixed cost, outside the two queues)."""
+        self._apply(None, seconds)
+
+    def launch(self, floor: float, seconds: float) -> None:
+        """The host issues a kernel `floor` after its previous one; the device runs it for
+        `seconds` once issued and free."""
+        self._apply(floor, seconds)
+
+    def synchronize(self) -> None:
+        """The host waits for the device (a value read on the host)."""
+        self._apply(None, None)
+
+    def _apply(self, floor, seconds) -> None:
+        if self._mode == "record":
+            self._ops.append((floor, seconds))
+        if seconds is None:
+            if self.issued is not None:
+                self.issued = max(self.issued, self.now)
+            return
+        if floor is not None:
+            self.issued = (self.now if self.issued is None else self.issued) + floor
+            if self.issued > self.now:  # the device idles until the host issues the op
+                self.host += self.issued - self.now
+                self.now = self.issued
         self.now += seconds
         self.compute += seconds
 
@@ -103,19 +145,22 @@ class RankClock:
         between pipeline stages, whose idle is the pipeline's bubble (Huang et al. 2019)."""
         self._event("wait")
         self._close_segment()
-        if end <= self.now:
-            return
-        if start > self.now:
-            self.idle += start - self.now
-            if pipeline:
-                self.bubble += start - self.now
-        self.exposed += end - max(start, self.now)
-        self.now = self._segment_start = end
+        if end > self.now:
+            if start > self.now:
+                self.idle += start - self.now
+                if pipeline:
+                    self.bubble += start - self.now
+            self.exposed += end - max(start, self.now)
+            self.now = self._segment_start = end
+        self.in_flight.append(self.now)
+        if len(self.in_flight) > MAX_IN_FLIGHT:  # the host waits until the device passes the oldest
+            passed = self.in_flight.popleft()
+            self.issued = passed if self.issued is None else max(self.issued, passed)
 
     def finish(self) -> None:
         """Close the last compute segment (when the rank's program returns)."""
         self._close_segment()
 
     def breakdown(self) -> dict:
-        return {"time": self.now, "compute": self.compute, "exposed_comm": self.exposed, "idle": self.idle,
+        return {"time": self.now, "compute": self.compute, "host": self.host, "exposed_comm": self.exposed, "idle": self.idle,
                 "bubble": self.bubble}

@@ -2,8 +2,13 @@
 
 A `TorchDispatchMode` pushed in the rank's thread (the dispatch-mode stack is
 thread-local, so each rank counts only its own ops, backward included) sees every aten
-op. Each op takes max(kernel floor, FLOPs / FLOP rate, bytes / (HBM bandwidth · HBM
-fraction)): FLOPs from torch's own flop counter formulas (matmuls, convolutions,
+op. Host and device are two queues, as in an eager GPU run: the host spends the kernel
+floor issuing each op (Python, dispatch and launch), the device runs it when it has been
+issued and the previous one is done, for max(FLOPs / FLOP rate, bytes / (HBM bandwidth ·
+HBM fraction)). So the host runs ahead while kernels are long (the step is the device's
+work) and the device starves while they are short (the step is the host's issuing); a
+read of a value on the host (`.item()`, `.tolist()`) makes the host wait for the device.
+FLOPs from torch's own flop counter formulas (matmuls, convolutions,
 attention), bytes = its tensor inputs and outputs read and written once; views move
 nothing and launch nothing, and allocations that write nothing (empty, empty_like, ...)
 neither, nor ops on empty tensors or on none; nor do copies between devices (the copy engines move them, beside the kernels:
@@ -11,8 +16,8 @@ host-to-device index copies, which a run on the CPU does not make) and reads of 
 to the host (`.item()`). The FLOP rate is the op's: fused attention kernels at the attention fraction of
 the bf16 peak; other ops at the matmul fraction of the bf16 peak when their inputs are
 16-bit, of the FP32 peak otherwise (torch runs float32 matmuls without TF32 by default).
-This is the roofline model (Williams, Waterman & Patterson 2009) per op with a floor per
-kernel, and no kernel fusion: it overestimates chains of elementwise ops that a compiler
+This is the roofline model (Williams, Waterman & Patterson 2009) per op behind a host
+that issues one op per floor, and no kernel fusion: it overestimates chains of elementwise ops that a compiler
 would fuse. An optimizer step runs as the fused AdamW kernel torch uses on GPUs: one pass
 reading parameters, gradients and both moments and writing back all but the gradients
 (`optimizer_step`).
@@ -137,6 +142,8 @@ class ComputeModel(TorchDispatchMode):
                 return out
             formula = None
         if formula is False:
+            if func._overloadpacket is torch.ops.aten._local_scalar_dense and self._fused is None:
+                self.synchronize()  # (inside a fused region it is the CPU implementation's, not the GPU's)
             return out
         nbytes = _nbytes(args) + _nbytes(kwargs.values()) + _nbytes(out if isinstance(out, (list, tuple)) else (out,))
         seconds = 0.0
@@ -151,12 +158,21 @@ class ComputeModel(TorchDispatchMode):
             return out
         self.bytes += nbytes
         self.kernels += 1
-        cost = max(self.floor, seconds, nbytes / self.byte_rate)
-        self.clock.advance(cost)
+        cost = max(seconds, nbytes / self.byte_rate)
+        self._launch(cost)
         if self.by_op is not None:
             row = self.by_op.setdefault(func._overloadpacket.__name__, [0, 0.0, 0])
             row[0], row[1], row[2] = row[0] + 1, row[1] + cost, row[2] + nbytes
         return out
+
+    def _launch(self, seconds: float) -> None:
+        """The host issues a kernel (one floor after its previous one); the device runs it
+        for `seconds` (the clock's two queues)."""
+        self.clock.launch(self.floor, seconds)
+
+    def synchronize(self) -> None:
+        """The host waits for the device (a value read on the host)."""
+        self.clock.synchronize()
 
     def _rate(self, func, args) -> float:
         if func._overloadpacket in _ATTENTION:
@@ -167,7 +183,7 @@ class ComputeModel(TorchDispatchMode):
     def fused(self, io_bytes: int, name: str = "fused"):
         """The ops inside run as one fused kernel (FlashAttention's tiles stay on chip): their
         FLOPs are counted as usual, their intermediate tensors move no HBM bytes; the
-        region costs max(floor, Σ FLOPs / rate, io_bytes / bandwidth), io_bytes being what
+        region is one kernel of max(Σ FLOPs / rate, io_bytes / bandwidth), io_bytes being what
         the kernel reads and writes in HBM. `name`: the kernel's row in `by_op`."""
         # (the mode may sit below others: activation checkpointing pushes its own)
         if self._fused is not None or self not in _get_current_dispatch_mode_stack():
@@ -180,8 +196,8 @@ class ComputeModel(TorchDispatchMode):
             seconds, self._fused = self._fused[0], None
             self.bytes += io_bytes
             self.kernels += 1
-            cost = max(self.floor, seconds, io_bytes / self.byte_rate)
-            self.clock.advance(cost)
+            cost = max(seconds, io_bytes / self.byte_rate)
+            self._launch(cost)
             if self.by_op is not None:
                 row = self.by_op.setdefault(name, [0, 0.0, 0])
                 row[0], row[1], row[2] = row[0] + 1, row[1] + cost, row[2] + io_bytes

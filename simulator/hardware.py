@@ -18,8 +18,9 @@ Not datasheet values (assumptions, override them with a profile file):
 - fused attention at 0.60 of the bf16 peak: FlashAttention-2 reaches 50-73% of the
   A100's peak forward and backward (Dao 2023, abstract), FlashAttention-3 75% forward on
   the H100 with a slower backward (Shah et al. 2024);
-- a kernel floor of 5 µs: no op takes less (a launch, and eager PyTorch's dispatch on the
-  host, which the GPU waits for when its kernels are shorter);
+- a kernel floor of 5 µs: the host's time to issue one op (a launch, and eager PyTorch's
+  dispatch), which the GPU waits for when its kernels are shorter (the compute model's
+  host queue);
 - latencies α: 2 µs per NVLink step and 5 µs per network step, of the order of NCCL's
   own tuning model for its Simple protocol.
 The `h200` profile is not the datasheet's: `playground calibrate` fitted it on 2× H200
@@ -52,7 +53,7 @@ class Hardware:
     gpus_per_node: int
     fp32_flops: float  # dense FP32 FLOP/s (float32 matmuls; float64 runs at this rate too)
     attention_fraction: float  # achievable fraction of the bf16 peak in fused attention kernels
-    kernel_floor: float  # seconds: the least any kernel takes
+    kernel_floor: float  # seconds the host takes to issue one op (the compute model's host queue)
     source: str = "datasheet"  # where the numbers come from
 
     def to_dict(self) -> dict:

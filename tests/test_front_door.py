@@ -205,7 +205,7 @@ def test_train_json_summary(tmp_path):
     sim = d["simulated"]
     assert sim["hardware"] == "h100-sxm" and len(sim["per_rank"]) == 4
     for r in sim["per_rank"]:
-        assert r["step_s"] == pytest.approx(r["compute_s"] + r["exposed_comm_s"] + r["idle_s"])
+        assert r["step_s"] == pytest.approx(r["compute_s"] + r["host_s"] + r["exposed_comm_s"] + r["idle_s"])
 
 
 def test_check_json_and_plot(tmp_path):
