@@ -226,8 +226,14 @@ class ComputeModel(TorchDispatchMode):
     @contextlib.contextmanager
     def paused(self):
         """Run a block with op counting off (its time is then the caller's to charge, as
-        the pipeline benchmark does with fixed stage costs)."""
-        if _get_current_dispatch_mode() is not self:
-            raise RuntimeError("pausing needs the compute model on top of the dispatch-mode stack")
-        with _pop_mode_temporarily():
+        the pipeline benchmark does with fixed stage costs). Modes above it (the memory
+        tracker's, for backward's temporaries) are off for the block too."""
+        if self not in _get_current_dispatch_mode_stack():
+            raise RuntimeError("pausing needs the compute model on the dispatch-mode stack")
+        with contextlib.ExitStack() as popped:
+            while True:
+                top = _get_current_dispatch_mode()
+                popped.enter_context(_pop_mode_temporarily())
+                if top is self:
+                    break
             yield self

@@ -10,15 +10,23 @@ its storage's bytes when the first tensor of that storage is saved and removes t
 autograd frees the last one (the handles' `__del__`): a storage saved by several ops, or
 through several views, counts once, as it occupies memory once. So the current and the
 peak bytes saved for backward are known at every moment; parameters saved for backward (a matmul's weight) are not activations and are
-skipped. Communication buffers are what a strategy registers (`comm_buffers`): none for
+skipped. Backward's temporaries (the gradients in flight between autograd's nodes, and
+what a node allocates while it runs: the cross-entropy's float32 gradients of the
+logits, for one) are followed by a dispatch mode during backward: each new storage an op
+makes there counts until its tensor is freed, except in recomputation (activation
+checkpointing's forward inside backward, whose saved outputs are activations).
+Communication buffers are what a strategy registers (`comm_buffers`): none for
 DDP, whose buckets are the gradients.
 """
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def storage_id(t: torch.Tensor) -> int:
@@ -67,7 +75,9 @@ class MemoryTracker:
         self.peak_activations = 0
         self.comm_buffers = 0  # bytes a strategy holds for communication now
         self.peak_comm_buffers = 0
-        self.peak_transient = 0  # the peak of activations + communication buffers together
+        self.temporaries = 0  # bytes of backward's temporaries alive now
+        self.peak_temporaries = 0
+        self.peak_transient = 0  # the peak of activations + communication buffers + temporaries together
         self._exclude: set = set()
         self._held: dict = {}  # storage id -> [bytes, how many saved tensors hold it]
         self.tracking = False  # inside track_activations
@@ -84,7 +94,20 @@ class MemoryTracker:
         return _Saved(t.detach(), s._cdata, s.nbytes(), self)
 
     def _transient_changed(self) -> None:
-        self.peak_transient = max(self.peak_transient, self.activations + self.comm_buffers)
+        self.peak_transient = max(self.peak_transient, self.activations + self.comm_buffers + self.temporaries)
+
+    def temporary(self, t: torch.Tensor) -> None:
+        """Count `t`'s storage (made by an op in backward) until `t` is freed."""
+        nbytes = t.untyped_storage().nbytes()
+        if nbytes == 0:
+            return
+        self.temporaries += nbytes
+        self.peak_temporaries = max(self.peak_temporaries, self.temporaries)
+        self._transient_changed()
+        weakref.finalize(t, self._temporary_freed, nbytes)
+
+    def _temporary_freed(self, nbytes: int) -> None:
+        self.temporaries -= nbytes
 
     def buffer(self, nbytes: int) -> None:
         """A strategy allocated (nbytes > 0) or freed (< 0) a communication buffer (ZeRO's
@@ -108,7 +131,7 @@ class MemoryTracker:
 
         self.tracking = True
         try:
-            with saved_tensors_hooks(pack, unpack):
+            with saved_tensors_hooks(pack, unpack), _BackwardTemporaries(self):
                 yield self
         finally:
             self.tracking = False
@@ -138,5 +161,25 @@ class MemoryTracker:
         out["peak_activations"] = self.peak_activations
         out["comm_buffers"] = self.comm_buffers
         out["peak_comm_buffers"] = self.peak_comm_buffers
+        out["peak_temporaries"] = self.peak_temporaries
         out["peak_total"] = out["parameters"] + out["gradients"] + out["optimizer"] + self.peak_transient
+        return out
+
+
+class _BackwardTemporaries(TorchDispatchMode):
+    """During backward (an autograd node running, gradients off: not a recomputation), every
+    op's output on a storage none of its inputs has is a temporary of the tracker's."""
+
+    def __init__(self, tracker: MemoryTracker):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if torch.is_grad_enabled() or func.is_view or torch._C._current_autograd_node() is None:
+            return out
+        inputs = {storage_id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in (out,) if isinstance(out, torch.Tensor) else tree_leaves(out):
+            if isinstance(t, torch.Tensor) and storage_id(t) not in inputs:
+                self.tracker.temporary(t)
         return out
