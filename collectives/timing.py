@@ -47,9 +47,9 @@ class TimeModel:
 
 
 def fused_kernel(group, io_bytes: int):
-    """Mark the ops inside as one fused kernel for the time model of `group`'s rank (plain
-    matmuls written for clarity that a GPU fuses, as FlashAttention does); nothing without
-    a time model."""
+    """Mark the ops inside as one fused attention kernel for the time model of `group`'s rank
+    (plain matmuls written for clarity that a GPU fuses, as FlashAttention does: priced at
+    the attention rate); nothing without a time model."""
     timing = group.timing
     return timing.fused(io_bytes) if timing is not None else contextlib.nullcontext()
 

@@ -118,7 +118,7 @@ class ComputeModel(TorchDispatchMode):
         self.flops = 0
         self.bytes = 0
         self._formula: dict = {}  # op -> its FLOP formula, None (bytes only) or False (free)
-        self._fused = None  # [flops] while inside a fused region
+        self._fused = None  # [seconds, attention?] while inside a fused region
 
     def _classify(self, func):
         packet = func._overloadpacket
@@ -150,7 +150,8 @@ class ComputeModel(TorchDispatchMode):
         if formula is not None:
             flops = formula(*tree_map(_shape, args), **tree_map(_shape, kwargs), out_val=tree_map(_shape, out))
             self.flops += flops
-            seconds = flops / self._rate(func, args)
+            attention = self._fused is not None and self._fused[1]
+            seconds = flops / (self.attention_rate if attention else self._rate(func, args))
         if self._fused is not None:  # one kernel: charged when the region ends
             self._fused[0] += seconds
             return out
@@ -180,16 +181,18 @@ class ComputeModel(TorchDispatchMode):
         return self.flop_rate if _first_dtype(args) in _HALF else self.fp32_rate
 
     @contextlib.contextmanager
-    def fused(self, io_bytes: int, name: str = "fused"):
+    def fused(self, io_bytes: int, name: str = "fused", attention: bool = False):
         """The ops inside run as one fused kernel (FlashAttention's tiles stay on chip): their
         FLOPs are counted as usual, their intermediate tensors move no HBM bytes; the
         region is one kernel of max(Σ FLOPs / rate, io_bytes / bandwidth), io_bytes being what
-        the kernel reads and writes in HBM. `name`: the kernel's row in `by_op`."""
+        the kernel reads and writes in HBM. `name`: the kernel's row in `by_op`; `attention`:
+        the region is a FlashAttention call (ring attention's blocks), whose FLOPs run at the
+        attention rate whatever dtype the matmuls written out inside it use (float32 here)."""
         # (the mode may sit below others: activation checkpointing pushes its own)
         if self._fused is not None or self not in _get_current_dispatch_mode_stack():
             yield self  # nested (part of the outer kernel), or not counting (a replayed step)
             return
-        self._fused = [0.0]
+        self._fused = [0.0, attention]
         try:
             yield self
         finally:

@@ -25,8 +25,8 @@ class RankTiming:
     compute_model: ComputeModel
 
     def fused(self, io_bytes: int):
-        """Charge the ops inside as one fused kernel (ComputeModel.fused)."""
-        return self.compute_model.fused(io_bytes)
+        """Charge the ops inside as one fused attention kernel (ComputeModel.fused)."""
+        return self.compute_model.fused(io_bytes, "flash_attention", attention=True)
 
     def optimizer_step(self, optimizer):
         """Charge an optimizer's step as one fused kernel (ComputeModel.optimizer_step)."""

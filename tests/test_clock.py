@@ -320,3 +320,20 @@ def test_the_host_runs_at_most_two_waited_calls_ahead(monkeypatch):
     assert run() == (pytest.approx(111 + 2 * 30 + 0.5), pytest.approx(111 + 60.5 - 131 - 15 + 1.0))
     monkeypatch.setattr(clock_module, "MAX_IN_FLIGHT", 1000)
     assert run() == (pytest.approx(131 + 30 * 0.5), pytest.approx(1.0))
+
+
+def test_a_fused_attention_region_runs_at_the_attention_rate():
+    """Ring attention writes its blocks as float32 matmuls inside `fused_kernel` (one
+    FlashAttention call on a GPU): their FLOPs are priced at the attention rate, not FP32's."""
+    from collectives.timing import fused_kernel
+
+    def fn(world):
+        q = torch.empty(1, 8, 1024, 64, device="meta")
+        world.timing.compute_model.synchronize()
+        t0 = world.timing.clock.now
+        with fused_kernel(world, 0):
+            q @ q.transpose(-1, -2)
+        return world.timing.clock.now - t0
+    got = launch(fn, 1, time_model=SimulatedTime(H100)).values[0]
+    flops = 2 * 8 * 1024 * 1024 * 64
+    assert got == pytest.approx(H100.kernel_floor + flops / (H100.peak_bf16_flops * H100.attention_fraction))
