@@ -46,7 +46,6 @@ class PipelineExecutor:
         self.syncs = syncs
         self.unit_costs = unit_costs
         self.hidden_dtype = hidden_dtype
-        self.params = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
         self.weight_grads = None
         if any(a.kind == "I" for a in actions):
             self.weight_grads = WeightGradStore()
@@ -113,12 +112,9 @@ class PipelineExecutor:
                     if a.kind == "B":
                         with self._sync(a.chunk, sync):
                             torch.autograd.backward(out.pop(key), g_out.pop(key, None))
-                    else:
+                    else:  # (every chunk holds a block, so W has linear layers to run)
                         with self._sync(a.chunk, sync):
-                            if not WeightGradStore.apply(w_pending.pop(key)) and sync:
-                                # no linear layer in the chunk: a backward that adds zero
-                                p0 = self.params[a.chunk][0]  # still ends in the reduction
-                                torch.autograd.backward(p0, torch.zeros_like(p0))
+                            WeightGradStore.apply(w_pending.pop(key))
                 if a.kind == "B" and s > 0:
                     g_in[key] = x_in[key].grad
                 if a.kind == "W" or s == 0:

@@ -55,7 +55,7 @@ class RankClock:
         self.bubble = 0.0  # the part of idle spent waiting on pipeline neighbours (pp.* calls)
         self.segments: list = []  # (start, end) of the compute between calls, for traces
         self._segment_start = 0.0
-        self._script: list = []  # the recorded step: (event, compute before it), then the tail
+        self._script: list = []  # the recorded step: (event, the launches before it), then the tail
         self._mode = None  # None (count ops), "record" or "replay"
         self._pos = 0
         self._ops: list = []  # recording: the launches and host reads since the previous event

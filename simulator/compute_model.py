@@ -8,18 +8,20 @@ issued and the previous one is done, for max(FLOPs / FLOP rate, bytes / (HBM ban
 HBM fraction)). So the host runs ahead while kernels are long (the step is the device's
 work) and the device starves while they are short (the step is the host's issuing); a
 read of a value on the host (`.item()`, `.tolist()`) makes the host wait for the device.
-FLOPs from torch's own flop counter formulas (matmuls, convolutions,
-attention), bytes = its tensor inputs and outputs read and written once; views move
-nothing and launch nothing, and allocations that write nothing (empty, empty_like, ...)
-neither, nor ops on empty tensors or on none; nor do copies between devices (the copy engines move them, beside the kernels:
-host-to-device index copies, which a run on the CPU does not make) and reads of a scalar
-to the host (`.item()`). The FLOP rate is the op's: fused attention kernels at the attention fraction of
-the bf16 peak; other ops at the matmul fraction of the bf16 peak when their inputs are
-16-bit, of the FP32 peak otherwise (torch runs float32 matmuls without TF32 by default).
-This is the roofline model (Williams, Waterman & Patterson 2009) per op behind a host
-that issues one op per floor, and no kernel fusion: it overestimates chains of elementwise ops that a compiler
-would fuse. An optimizer step runs as the fused AdamW kernel torch uses on GPUs: one pass
-reading parameters, gradients and both moments and writing back all but the gradients
+FLOPs from torch's own flop counter formulas (matmuls, convolutions, attention), bytes =
+its tensor inputs and outputs read and written once; views move nothing and launch
+nothing, and neither do allocations that write nothing (empty, empty_like, ...), ops on
+empty tensors or on none, copies between devices (the copy engines move them, beside the
+kernels: host-to-device index copies, which a run on the CPU does not make) and reads of
+a scalar to the host (`.item()`). The FLOP rate is the op's: fused attention kernels at
+the attention fraction of the bf16 peak; other ops at the matmul fraction of the bf16 peak
+when their inputs are 16-bit, of the FP32 peak otherwise (torch runs float32 matmuls
+without TF32 by default). This is the roofline model (Williams, Waterman & Patterson
+2009) per op behind a host that issues one op per floor. Ops are not fused unless the
+code says a GPU runs them as one kernel (`fused`: FlashAttention's blocks, the RMSNorm
+kernels), so chains of elementwise ops that a compiler would fuse are overestimated. An
+optimizer step runs as the fused AdamW kernel torch uses on GPUs: one pass reading
+parameters, gradients and both moments and writing back all but the gradients
 (`optimizer_step`).
 
 `step(mode)` brackets one training step for the clock's record and replay (see
@@ -157,19 +159,19 @@ class ComputeModel(TorchDispatchMode):
             return out
         if nbytes == 0 and seconds == 0:  # no tensor, or empty ones: nothing launches
             return out
-        self.bytes += nbytes
-        self.kernels += 1
-        cost = max(seconds, nbytes / self.byte_rate)
-        self._launch(cost)
-        if self.by_op is not None:
-            row = self.by_op.setdefault(func._overloadpacket.__name__, [0, 0.0, 0])
-            row[0], row[1], row[2] = row[0] + 1, row[1] + cost, row[2] + nbytes
+        self._kernel(func._overloadpacket.__name__, seconds, nbytes)
         return out
 
-    def _launch(self, seconds: float) -> None:
-        """The host issues a kernel (one floor after its previous one); the device runs it
-        for `seconds` (the clock's two queues)."""
-        self.clock.launch(self.floor, seconds)
+    def _kernel(self, name: str, seconds: float, nbytes: int) -> None:
+        """One kernel of max(its FLOP time, its bytes' time), issued by the host one floor
+        after the previous (the clock's two queues); counted, and kept by name in `by_op`."""
+        cost = max(seconds, nbytes / self.byte_rate)
+        self.bytes += nbytes
+        self.kernels += 1
+        self.clock.launch(self.floor, cost)
+        if self.by_op is not None:
+            row = self.by_op.setdefault(name, [0, 0.0, 0])
+            row[0], row[1], row[2] = row[0] + 1, row[1] + cost, row[2] + nbytes
 
     def synchronize(self) -> None:
         """The host waits for the device (a value read on the host)."""
@@ -197,13 +199,7 @@ class ComputeModel(TorchDispatchMode):
             yield self
         finally:
             seconds, self._fused = self._fused[0], None
-            self.bytes += io_bytes
-            self.kernels += 1
-            cost = max(seconds, io_bytes / self.byte_rate)
-            self._launch(cost)
-            if self.by_op is not None:
-                row = self.by_op.setdefault(name, [0, 0.0, 0])
-                row[0], row[1], row[2] = row[0] + 1, row[1] + cost, row[2] + io_bytes
+            self._kernel(name, seconds, io_bytes)
 
     def optimizer_step(self, optimizer):
         """Around `optimizer.step()`: the step as torch's fused AdamW runs it on a GPU, one
