@@ -3,13 +3,19 @@ For each train JSON that benchmarks/fidelity_gpu.sh wrote (the 350m and 1b prese
 1b-moe, in bf16 under torchrun on 2× H200, with the model as it is now (fused RMSNorm,
 RoPE without a cat); the committed runs are benchmarks/results/gpu/run13_kernels (1b one
 GPU and both pipelines), run14_side_by_side (350m pipelines, measured again: they take the
-place of run13's) and run15_fidelity (the rest, in the session on the machine that
-`playground calibrate` fitted the shipped `h200` profile on)), plans the same model and
+place of run13's), run15_fidelity (the rest) and run16_host (1b one GPU, TP 2, TP 2 + SP,
+CP 2, 350m DDP and TP 2, 1b-moe EP 2, measured again in the call and on the machine that
+`playground calibrate` fitted the shipped `h200` profile on: they take the place of the
+earlier runs)), plans the same model and
 layout on that profile (simulator/profiles/h200.json) and prints, per layout: the measured median step (steps after the first) against
 the planned step, and the measured CUDA peak (`torch.cuda.max_memory_allocated`, the
 largest over the ranks) against the planned peak, with the relative error of each; and the
 planned step's split into compute, host (the device waiting for the host to issue
-kernels: the compute model's two queues), exposed communication and idle. Writes JSON.
+kernels: the compute model's two queues), exposed communication and idle. And the host's
+own time per step: measured (from run16 on: the step's wall time less the time the host
+waited for the device in the torch backend's run-ahead bound, `host_blocked_s`) against
+planned (the floors of the ops and calls it issued: `issuing`): where they agree and
+the step is still off, the device side is. Writes JSON.
 
 The measured runs without ZeRO use `--bf16-copies` (bf16 compute copies with fp32 master
 weights), the mixed precision a plan prices; with ZeRO that is ZeRO's own.
@@ -29,7 +35,8 @@ from playground import Layout, RunConfig  # noqa: E402
 from playground.planning import plan  # noqa: E402
 
 GPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu")
-MEASURED = [os.path.join(GPU, name) for name in ("run13_kernels", "run14_side_by_side", "run15_fidelity")]
+MEASURED = [os.path.join(GPU, name) for name in ("run13_kernels", "run14_side_by_side", "run15_fidelity",
+                                                  "run16_host")]
 
 
 def measured_run(path: str) -> RunConfig:
@@ -46,11 +53,14 @@ def compare(path: str, hardware: str) -> dict:
     measured = median(m["throughput"]["step_times_s"][1:])
     p = plan(RunConfig(**{**run.__dict__, "hardware": hardware}))
     slowest = max(p.values, key=lambda v: v["step"]["time"])["step"]
+    blocked = m["throughput"].get("host_blocked_s")  # (runs before run16 did not record it)
+    host_own = median([t - b for t, b in zip(m["throughput"]["step_times_s"][1:], blocked[1:])]) if blocked else None
     cuda_peak = max(r.get("cuda_peak_allocated", 0) for r in m["memory"])
     planned_peak = max(v["memory"]["peak_total"] for v in p.values)
     return {"layout": os.path.basename(path)[:-5], "measured_in": os.path.basename(os.path.dirname(path)),
             "describe": run.layout.describe(), "measured_step_s": measured,
             "planned_step_s": p.step_s, "step_error": p.step_s / measured - 1, "planned": slowest,
+            "measured_host_own_s": host_own,
             "measured_cuda_peak": cuda_peak, "planned_peak": planned_peak,
             "memory_error": planned_peak / cuda_peak - 1 if cuda_peak else None}
 
@@ -72,11 +82,13 @@ def main() -> None:
     print_table(f"bf16 on 2× H200: planned on {a.hardware} against measured (median step; CUDA peak allocated); "
                 f"within 10%: step {within[0]}/{len(rows)}, memory {within[1]}/{len(rows)}",
                 ["run", "measured in", "measured step", "planned step", "error", "compute", "host", "exposed comm", "idle",
-                 "CUDA peak", "planned peak", "error"],
+                 "host's own: measured", "planned", "CUDA peak", "planned peak", "error"],
                 [[r["layout"], r["measured_in"], f"{r['measured_step_s'] * 1e3:.1f} ms", f"{r['planned_step_s'] * 1e3:.1f} ms",
                   f"{r['step_error']:+.0%}", f"{r['planned']['compute'] * 1e3:.1f} ms",
                   f"{r['planned']['host'] * 1e3:.1f} ms",
                   f"{r['planned']['exposed_comm'] * 1e3:.1f} ms", f"{r['planned']['idle'] * 1e3:.1f} ms",
+                  f"{r['measured_host_own_s'] * 1e3:.1f} ms" if r["measured_host_own_s"] is not None else "-",
+                  f"{r['planned']['issuing'] * 1e3:.1f} ms",
                   human_bytes(r["measured_cuda_peak"]), human_bytes(r["planned_peak"]),
                   f"{r['memory_error']:+.0%}" if r["memory_error"] is not None else "-"] for r in rows])
     write_json(a.json, {"benchmark": "fidelity", "hardware": a.hardware, "measured_from": [os.path.relpath(d) for d in a.measured],

@@ -5,8 +5,16 @@
 
 Runs `playground ARGS` (the command line) or benchmarks/gpu_side_by_side.py with ARGS under
 `torch.profiler.profile` (CPU and CUDA activities) and writes, from rank 0, DIR/NAME.txt:
-the ops by total CUDA time and by CPU time (top 25 each), and the device's busy time
-(kernels and copies, summed) against the wall time of the profiled run.
+the steady state (below), the ops by total CUDA time and by CPU time (top 25 each), and
+the device's busy time (kernels and copies, summed) against the wall time of the run.
+
+The steady state: the last `--last` whole steps before the final one (both sides mark
+each step with a "train.step" range), from one step's start on the host to the start of
+the step `--last` later. Over that window, per step: the device's busy time (the union
+of its kernels on every stream), of which NCCL kernels and compute alone, the device's
+idle time, the kernels launched and the host's time blocked in CUDA synchronisation.
+A device idle while the host never blocks is a host-bound step: the host's time per
+launch (the window over the launches) is then the step's cost per kernel.
 """
 import argparse
 import os
@@ -19,11 +27,78 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 
+def union(intervals: list) -> float:
+    """The length covered by [(start, end)] intervals."""
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+def clip(intervals: list, lo: float, hi: float) -> list:
+    return [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
+
+
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaMemcpyAsync",
+            "cudaMemsetAsync", "cudaLaunchCooperativeKernel")
+
+
+def steady_state(kineto_events, last: int) -> str:
+    """The steady-state lines (module docstring) from the profiler's kineto events (times in
+    ns on one clock). The device's window starts at the first device event launched in a
+    step (matched to its launch by correlation id): the host may run ahead of the device."""
+    host, device, launch_at = [], [], {}
+    for e in kineto_events:
+        start, end = e.start_ns(), e.start_ns() + e.duration_ns()
+        if e.device_type().name == "CPU":
+            if e.name() == "train.step":
+                host.append(start)
+            elif e.name() in LAUNCHES:
+                launch_at[e.correlation_id()] = start
+        elif not getattr(e, "is_user_annotation", lambda: False)():
+            device.append((start, end, e.name(), e.correlation_id()))
+    host.sort()
+    if len(host) < last + 2:
+        return f"steady state: {len(host)} train.step ranges, need {last + 2}"
+    h0, h1 = host[-last - 2], host[-2]
+    blocked = union(clip([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in kineto_events
+                          if e.device_type().name == "CPU" and "Synchronize" in e.name()], h0, h1))
+    launches = sum(h0 <= t < h1 for t in launch_at.values())
+
+    def first_launched_after(t):
+        starts = [d[0] for d in device if launch_at.get(d[3], -1) >= t]
+        return min(starts) if starts else None
+    d0, d1 = first_launched_after(h0), first_launched_after(h1)
+    if d0 is None or d1 is None:
+        return f"steady state: no device events launched in the window ({len(device)} device events)"
+    nccl = [(a, b) for a, b, n, _ in device if "nccl" in n.lower()]
+    compute = [(a, b) for a, b, n, _ in device if "nccl" not in n.lower()]
+    busy = union(clip(nccl + compute, d0, d1))
+    busy_compute, busy_nccl = union(clip(compute, d0, d1)), union(clip(nccl, d0, d1))
+    durations = sorted(b - a for a, b in nccl if d0 <= a < d1)
+    n = len(durations)
+    median = durations[n // 2] / 1e3 if n else 0.0
+    p90 = durations[min(n - 1, int(n * 0.9))] / 1e3 if n else 0.0
+    ms = lambda ns: ns / last / 1e6  # noqa: E731  (per step)
+    period, host_period = ms(d1 - d0), ms(h1 - h0)
+    return "\n".join([
+        f"steady state over {last} steps ({len(host)} marked): per step",
+        f"  device: period {period:.2f} ms, busy {ms(busy):.2f} ms: compute kernels {ms(busy_compute):.2f} ms, "
+        f"NCCL {ms(busy_nccl):.2f} ms ({n / last:.0f} kernels, median {median:.0f} µs, p90 {p90:.0f} µs), "
+        f"NCCL alone {ms(busy - busy_compute):.2f} ms; idle {period - ms(busy):.2f} ms",
+        f"  host: period {host_period:.2f} ms, blocked in CUDA synchronisation {ms(blocked):.2f} ms, "
+        f"{launches / last:.0f} launches ({1e3 * (host_period - ms(blocked)) / max(1, launches / last):.1f} µs of "
+        f"unblocked host per launch)"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--name", required=True)
     ap.add_argument("--side", choices=["playground", "torch"], required=True)
+    ap.add_argument("--last", type=int, default=3, help="steps in the steady-state window")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     args = a.args[1:] if a.args[:1] == ["--"] else a.args
@@ -48,6 +123,7 @@ def main() -> None:
     with open(os.path.join(a.out, f"{a.name}.txt"), "w") as f:
         f.write(f"{a.side}: {' '.join(args)}\n")
         f.write(f"wall {wall:.2f} s, device busy (kernels + copies, summed) {device_us / 1e6:.2f} s\n\n")
+        f.write(steady_state(prof.profiler.kineto_results.events(), a.last) + "\n\n")
         f.write(events.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
         f.write("\n\n")
         f.write(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))

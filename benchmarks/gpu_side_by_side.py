@@ -71,11 +71,12 @@ def main() -> None:
         x = torch.randint(0, cfg.vocab_size, (a.mbs, cfg.seq_len + 1), device="cuda", generator=g)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            loss = model(x[:, :-1], x[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with torch.profiler.record_function("train.step"):  # benchmarks/gpu_profile.py's steady state
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(x[:, :-1], x[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     step = statistics.median(times[3:])

@@ -4,7 +4,9 @@
 # (`playground train --backend torch`). Arguments: the pairs to run (default: all of them,
 # then one torch-profiler run of each DDP side, benchmarks/gpu_profile.py; `kernels`:
 # benchmarks/kernels_gpu.py, the model's element-wise parts before and after; `*_copies`: the
-# playground alone with --bf16-copies; `profile_single`: its one-GPU step profiled). Logs and JSON in
+# playground alone with --bf16-copies; `ddp_350m_copies[_2]`: torch DDP under autocast beside the playground's
+# with --bf16-copies, _2 in the other order; `profile_single`: its one-GPU step profiled;
+# `profile_layouts`: steady-state profiles of layouts, gpu_profile.py). Logs and JSON in
 # $LOGS, packed into $OUT/gpu_logs.tgz; benchmarks/side_by_side.py tabulates them.
 set -uo pipefail
 source benchmarks/gpu_common.sh
@@ -27,6 +29,10 @@ pair() {
               pg pg_zero3_1b_b8 2 --model 1b --dp 2 --zero 3 --micro-batch-size 8 ;;
     ddp_350m) torch_side torch_ddp_350m_b8 2 --mode ddp --model 350m --mbs 8
               pg pg_ddp_350m_b8 2 --model 350m --dp 2 --micro-batch-size 8 ;;
+    ddp_350m_copies) torch_side torch_ddp_350m_b8_copies 2 --mode ddp --model 350m --mbs 8
+                     pg pg_ddp_350m_b8_copies 2 --model 350m --dp 2 --micro-batch-size 8 --bf16-copies ;;
+    ddp_350m_copies_2) pg pg_ddp_350m_b8_copies_2 2 --model 350m --dp 2 --micro-batch-size 8 --bf16-copies
+                       torch_side torch_ddp_350m_b8_copies_2 2 --mode ddp --model 350m --mbs 8 ;;  # (the other order)
     single_1b) torch_side torch_single_1b_b4 1 --mode single --model 1b --mbs 4
                pg pg_single_1b_b4 1 --model 1b --micro-batch-size 4 ;;
     single_1b_compile) torch_side torch_single_1b_b4_compile 1 --mode single --model 1b --mbs 4 --compile
@@ -47,6 +53,20 @@ pair() {
                  --name "profile_${side}_ddp_1b_b8" --side $side -- $args 2>&1 | grep -v "^W1" > "$LOGS/profile_${side}.log"
                echo "== profile $side: $(head -2 "$LOGS/profile_${side}_ddp_1b_b8.txt" | tail -1)"
              done ;;
+    profile_layouts) prof() {  # name, nproc, side, args...: one steady-state profile (gpu_profile.py)
+                       local name=$1 n=$2 side=$3; shift 3
+                       timeout 200 torchrun --nproc_per_node "$n" benchmarks/gpu_profile.py --out "$LOGS" --name "$name" \
+                         --side "$side" -- "$@" 2>&1 | grep -v "^W1" > "$LOGS/$name.log"
+                       echo "== $name: $(sed -n 5,7p "$LOGS/$name.txt" | tr '\n' ' ')"
+                       tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .
+                     }
+                     t="--dtype bfloat16 --steps 8 --backend torch --no-progress --bf16-copies"
+                     prof profile_pg_1b_single 1 playground train --model 1b --micro-batch-size 4 $t
+                     prof profile_pg_1b_tp2 2 playground train --model 1b --micro-batch-size 4 --tp 2 $t
+                     prof profile_pg_1b_tp2-sp 2 playground train --model 1b --micro-batch-size 4 --tp 2 --sp $t
+                     prof profile_pg_1b_cp2 2 playground train --model 1b --micro-batch-size 4 --cp 2 $t
+                     prof profile_pg_350m_dp2 2 playground train --model 350m --micro-batch-size 8 --dp 2 $t
+                     prof profile_torch_350m_ddp 2 torch --mode ddp --model 350m --mbs 8 --steps 8 ;;
     *) echo "unknown pair $1"; exit 2 ;;
   esac
   tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .

@@ -73,6 +73,13 @@ class ProcessGroup(abc.ABC):
         ascending global rank, as in torch). Like torch, every rank of this group must
         call it, in the same order; non-members get None."""
 
+    def host_blocked(self) -> float:
+        """Seconds this rank's host has waited for its device so far in the backend's bound on
+        how far it runs ahead (the torch backend on CUDA); 0 elsewhere. Per step, the rest of
+        the step's wall time is the host's own work: a step whose host never waits is
+        host-bound."""
+        return 0.0
+
     # -- helpers -----------------------------------------------------------------------
     _zero_copy_views = True  # the simulated backend computes on NumPy views
 

@@ -45,6 +45,7 @@ class DeviceTimes:
         # the buffers (keeping them to the end of the run kept every collective's tensors alive)
         self.pending: list = []
         self.in_flight: collections.deque = collections.deque()  # end events not yet known complete
+        self.blocked = 0.0  # seconds the host has waited here for the device (the run-ahead bound)
 
     @staticmethod
     def event():
@@ -56,8 +57,11 @@ class DeviceTimes:
         end = self.event()
         self.pending.append(([c.entry for c in calls], start, end))
         self.in_flight.append(end)
-        while len(self.in_flight) > self.max_in_flight:
-            self.in_flight.popleft().synchronize()
+        if len(self.in_flight) > self.max_in_flight:
+            t0 = time.perf_counter()
+            while len(self.in_flight) > self.max_in_flight:
+                self.in_flight.popleft().synchronize()
+            self.blocked += time.perf_counter() - t0
 
     def resolve(self) -> None:
         """Fill the start and end of every call waited so far (synchronises the device)."""
@@ -165,6 +169,9 @@ class TorchProcessGroup(ProcessGroup):
         works = dist.batch_isend_irecv(ops)
         shared = TorchWork(works, calls, self._origin, times, start)
         return [shared] * len(calls)
+
+    def host_blocked(self) -> float:
+        return self._times.blocked if self._times is not None else 0.0
 
     def resolve_times(self) -> None:
         """Give every call waited so far its measured start and end (CUDA: read the events)."""

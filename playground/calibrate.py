@@ -25,6 +25,9 @@ from the `--base` profile (datasheet numbers); what is fitted:
   sequence 16, where every kernel is short) over its kernel count: what the host spends
   per op in eager PyTorch, autograd included; at least the time per op of a bare chain of
   tiny adds.
+- `collective_floor`: the host's time per collective call through the process group
+  (issued and waited back to back, tiny all_reduces, whose device time is shorter); with
+  one rank none is measured and a call costs one `kernel_floor`.
 - `nvlink_latency` (α) and `nvlink_bandwidth` (1/β): all_reduce, all_gather,
   reduce_scatter, all_to_all and send/recv over message sizes from 1 KiB to `--max-mib`
   (nccl-tests sizes), each time against the cost model's formula for that op at this
@@ -275,6 +278,26 @@ def measure_collective(op: str, size: int, device: str) -> float:
         return timed(fns[op], device, repeats=5, inner=inner)
 
 
+def measure_collective_floor(world, device: str) -> dict:
+    """Seconds per call of a tiny all_reduce issued and waited back to back: through the
+    playground's process group (its call and ledger entry, the backend's timing events and
+    run-ahead bound, torch's call) and through torch.distributed alone. Either is the
+    host's cost per call where that exceeds the device's (a tiny all_reduce is a few µs
+    on the device), medians of 5 repeats."""
+    x = torch.ones(8, device=device)
+    calls = 400 if device.startswith("cuda") else 40  # (gloo on CPUs: about a millisecond a call)
+
+    def playground():
+        for _ in range(calls):
+            world.all_reduce(x, label="calibrate.floor")
+
+    def torch_alone():
+        for _ in range(calls):
+            dist.all_reduce(x)
+    dist.barrier()
+    return {"playground_s": timed(playground, device) / calls, "torch_s": timed(torch_alone, device) / calls}
+
+
 def cost_op(op: str) -> str:
     """The cost model's name for a measured op (a send/recv pair is priced as its send)."""
     return "send" if op == "send_recv" else op
@@ -320,6 +343,7 @@ def measure(world, cfg: GPTConfig, micro_batch: int, max_mib: float, device: str
            "floor": measure_floor(device), "one_layer": measure_model_kernels(cfg, micro_batch, device),
            "collectives": []}
     if world.size > 1:
+        out["collective_floor"] = measure_collective_floor(world, device)
         for op in COLLECTIVES:
             for size in message_sizes(max_mib):
                 out["collectives"].append({"op": op, "size": size, "seconds": measure_collective(op, size, device)})
@@ -350,12 +374,14 @@ def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch:
     hw = dataclasses.replace(
         base, name=name, matmul_fraction=matmul_fraction, fp32_flops=fp32, attention_fraction=attention_fraction,
         hbm_fraction=hbm_fraction, kernel_floor=floor, hbm_capacity=float(m["capacity"] or base.hbm_capacity),
+        collective_floor=m["collective_floor"]["playground_s"] if "collective_floor" in m else None,
         nvlink_latency=alpha, nvlink_bandwidth=bandwidth,
         source=f"playground calibrate on {p}× {m['device']} ({when}); peaks, HBM bandwidth and network from "
                f"{base.name}{'' if points else '; NVLink not measured (one rank)'}")
     model = ComputeModel(hw, RankClock())
     record = {"base": base.name, "ranks": p, "device": m["device"], "model": cfg.to_dict(), "micro_batch": micro_batch, "chain_floor_s": m["floor"],
-              "matmuls": [], "attention": {}, "elementwise": [], "collectives": []}
+              "collective_floor": m.get("collective_floor"), "matmuls": [], "attention": {}, "elementwise": [],
+              "collectives": []}
     by_class, total = predicted_by_class(cfg, micro_batch, hw)
     record["one_layer"] = {**one, "predicted_s": total,
                            "predicted_by_class_s": {c: row[1] for c, row in by_class.items()},
@@ -423,6 +449,9 @@ def summary(hw: Hardware, record: dict) -> str:
              f"  kernel_floor       {hw.kernel_floor * 1e6:.1f} µs  (host per op of a tiny forward and backward; "
              f"a chain of adds: {record['chain_floor_s'] * 1e6:.1f} µs)",
              _one_layer_line(record["one_layer"]),
+             f"  collective_floor   {hw.call_floor * 1e6:.1f} µs  (host per collective call"
+             + (f"; torch.distributed alone {record['collective_floor']['torch_s'] * 1e6:.1f} µs)"
+                if record.get("collective_floor") else ": not measured, one kernel_floor)"),
              f"  nvlink α, 1/β      {hw.nvlink_latency * 1e6:.1f} µs, {hw.nvlink_bandwidth / 1e9:.0f} GB/s"
              + (f"  (per call {spread(record['collectives'])})" if record["collectives"] else "")]
     for op in COLLECTIVES:

@@ -63,7 +63,9 @@ def train_json(res) -> dict:
     steps = len(res.losses)
     out = {"schema": f"playground.train/{SCHEMA_VERSION}", **_run_json(run), "data": res.data,
            "loss": {"per_step": res.losses, "floor": res.loss_floor},
-           "throughput": {"tokens_per_s": res.tokens_per_s, "step_times_s": res.step_times, "wall_s": res.wall_s}}
+           "throughput": {"tokens_per_s": res.tokens_per_s, "step_times_s": res.step_times,
+                          # rank 0's host waiting for its device per step (torch backend on CUDA)
+                          "host_blocked_s": res.values[0].get("host_blocked"), "wall_s": res.wall_s}}
     out["memory"] = []
     for r, v in enumerate(res.values):
         m = dict(v.get("memory") or {})
@@ -79,7 +81,7 @@ def train_json(res) -> dict:
             ordered = sorted(v["sim_steps"], key=lambda b: b["time"])
             b = ordered[len(ordered) // 2]
             per_rank.append({"rank": r, "step_s": b["time"], "compute_s": b["compute"], "host_s": b["host"],
-                             "exposed_comm_s": b["exposed_comm"], "idle_s": b["idle"], "bubble_s": b["bubble"]})
+                             "issuing_s": b["issuing"], "exposed_comm_s": b["exposed_comm"], "idle_s": b["idle"], "bubble_s": b["bubble"]})
         slowest = max(x["step_s"] for x in per_rank)
         out["simulated"] = {"hardware": run.hardware, "per_rank": per_rank,
                             "tokens_per_s": run.tokens_per_step / slowest if slowest else None}

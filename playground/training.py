@@ -111,7 +111,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
     start = checkpoint.load(model, run.resume, checkpoint.read_index(run.resume, cfg)) if run.resume else 0
     source = source or make_source(run.data, cfg.vocab_size, run.seed)
     rows = layout.global_batch // layout.dp
-    out = {"losses": [], "step_times": [], "sim_steps": [], "memory": None, "moe": [], "start": start}
+    out = {"losses": [], "step_times": [], "host_blocked": [], "sim_steps": [], "memory": None, "moe": [], "start": start}
     timing = world.timing if run.hardware else None  # the simulator's clock and compute model
     clock = timing.clock if timing else None
     bar = _progress_bar(run.steps) if run.progress and world.rank == 0 else None
@@ -122,10 +122,12 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
     mine = slice(dp.rank * rows, (dp.rank + 1) * rows)  # this rank's rows of each global batch
     prefetch = Prefetch(source, layout.global_batch, cfg.seq_len, mine, device) if device.startswith("cuda") else None
     for i, step in enumerate(range(start, start + run.steps)):  # (the data is a function of the step)
-        t0 = time.perf_counter()
+        t0, blocked0 = time.perf_counter(), world.host_blocked()
         replay = None if run.count_every_step else ("record" if i == 1 else "replay" if i > 1 else None)
         counted = timing.compute_model.step(replay) if timing else contextlib.nullcontext()
-        with counted:  # op counting: on, recorded, or replayed with counting off
+        # "train.step" (outside the op counting, which would count its profiler op): where a
+        # torch profiler's steady state is cut (benchmarks/gpu_profile.py)
+        with torch.profiler.record_function("train.step"), counted:  # counting: on, recorded or replayed
             sim0 = clock.breakdown() if clock else None
             if prefetch is not None:
                 local = prefetch.batch(step, start + run.steps)
@@ -152,6 +154,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
             else:
                 out["losses"].append(total.item())
         out["step_times"].append(time.perf_counter() - t0)
+        out["host_blocked"].append(world.host_blocked() - blocked0)
         if run.save and ((i + 1) % (run.save_every or run.steps) == 0 or i == run.steps - 1):
             checkpoint.save(world, model, run.save, step + 1, checkpoint.metadata(run, model))
         if bar is not None:

@@ -9,8 +9,10 @@ process group, a communication stream (as ProcessGroupNCCL keeps one stream per 
   host wait for the device; so does waiting a call when more than `MAX_IN_FLIGHT` waited
   calls are unfinished on the device (the host then waits for the oldest: the torch
   backend's bound on its run-ahead, `DeviceTimes`); each step starts with the two in step.
-- A call is *ready* on its group's stream when the rank issues it and the stream has
-  finished its previous call; a collective starts when its last member is ready and
+- Issuing a call costs the host the profile's `call_floor` (the process group's own
+  work and the backend's call; the device may wait for it like for an op). A call is
+  *ready* on its group's stream when the rank issues it and the stream has finished its
+  previous call; a collective starts when its last member is ready and
   lasts its alpha-beta cost; every member's stream is then busy until it ends.
 - Waiting for a call (a blocking call, or `Work.wait()`) moves compute to the call's end
   if it is later. That stall is split into *idle* (before the call started: waiting for
@@ -42,7 +44,7 @@ class ReplayMismatchError(RuntimeError):
 
 
 class RankClock:
-    __slots__ = ("now", "streams", "compute", "host", "exposed", "idle", "bubble", "segments", "_segment_start",
+    __slots__ = ("now", "streams", "compute", "host", "issuing", "exposed", "idle", "bubble", "segments", "_segment_start",
                  "_script", "_mode", "_pos", "_ops", "issued", "in_flight")
 
     def __init__(self):
@@ -50,6 +52,7 @@ class RankClock:
         self.streams: dict = {}  # group key -> time its communication stream is free
         self.compute = 0.0  # seconds of modelled compute
         self.host = 0.0  # seconds the device waited for the host to issue an op
+        self.issuing = 0.0  # seconds the host spent issuing ops and calls (its floors)
         self.exposed = 0.0  # seconds compute stalled on communication
         self.idle = 0.0  # seconds compute stalled waiting for peers to arrive
         self.bubble = 0.0  # the part of idle spent waiting on pipeline neighbours (pp.* calls)
@@ -106,6 +109,12 @@ class RankClock:
         `seconds` once issued and free."""
         self._apply(floor, seconds)
 
+    def issue_call(self, floor: float) -> None:
+        """The host issues a collective: `floor` of host time and none of the device's (a
+        replayed step re-launches it from the recording)."""
+        if self._mode != "replay":
+            self._apply(floor, 0.0)
+
     def synchronize(self) -> None:
         """The host waits for the device (a value read on the host)."""
         self._apply(None, None)
@@ -118,6 +127,7 @@ class RankClock:
                 self.issued = max(self.issued, self.now)
             return
         if floor is not None:
+            self.issuing += floor
             self.issued = (self.now if self.issued is None else self.issued) + floor
             if self.issued > self.now:  # the device idles until the host issues the op
                 self.host += self.issued - self.now
@@ -162,5 +172,6 @@ class RankClock:
         self._close_segment()
 
     def breakdown(self) -> dict:
-        return {"time": self.now, "compute": self.compute, "host": self.host, "exposed_comm": self.exposed, "idle": self.idle,
+        return {"time": self.now, "compute": self.compute, "host": self.host, "issuing": self.issuing,
+                "exposed_comm": self.exposed, "idle": self.idle,
                 "bubble": self.bubble}

@@ -20,7 +20,9 @@ Not datasheet values (assumptions, override them with a profile file):
   the H100 with a slower backward (Shah et al. 2024);
 - a kernel floor of 5 µs: the host's time to issue one op (a launch, and eager PyTorch's
   dispatch), which the GPU waits for when its kernels are shorter (the compute model's
-  host queue);
+  host queue); a collective call costs the host one floor too unless the profile gives
+  `collective_floor` (calibrate measures it: the process group's bookkeeping, the
+  backend's call and its wait);
 - latencies α: 2 µs per NVLink step and 5 µs per network step, of the order of NCCL's
   own tuning model for its Simple protocol.
 The `h200` profile is not the datasheet's: `playground calibrate` fitted it on 2× H200
@@ -55,9 +57,21 @@ class Hardware:
     attention_fraction: float  # achievable fraction of the bf16 peak in fused attention kernels
     kernel_floor: float  # seconds the host takes to issue one op (the compute model's host queue)
     source: str = "datasheet"  # where the numbers come from
+    # seconds the host takes to issue and wait one collective through the process group (the
+    # ledger's entry, the backend's call); None: one kernel_floor (profiles without it)
+    collective_floor: float | None = None
+
+    @property
+    def call_floor(self) -> float:
+        """The host's seconds per collective call (collective_floor, else one kernel_floor)."""
+        return self.kernel_floor if self.collective_floor is None else self.collective_floor
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Every field (a profile file's keys); collective_floor only where it is set."""
+        out = asdict(self)
+        if out["collective_floor"] is None:
+            del out["collective_floor"]
+        return out
 
 
 _ASSUMED = dict(attention_fraction=0.60, kernel_floor=5e-6)
@@ -96,9 +110,9 @@ def profile_names() -> list:
 
 def hardware_from_dict(data: dict, where: str = "profile") -> Hardware:
     names = [f.name for f in fields(Hardware)]
-    missing = [n for n in names if n not in data and n != "source"]
+    missing = [n for n in names if n not in data and n not in ("source", "collective_floor")]
     unknown = sorted(set(data) - set(names) - {"calibration"})
     if missing or unknown:
         raise ValueError(f"hardware file {where!r}: missing {missing}, unknown {unknown}")
     return Hardware(**{n: (int(data[n]) if n == "gpus_per_node" else str(data[n]) if n in ("name", "source")
-                           else float(data[n])) for n in names if n in data})
+                           else None if data[n] is None else float(data[n])) for n in names if n in data})

@@ -52,7 +52,9 @@ class SimulatedTime(TimeModel):
         return self.ranks[rank].compute_model
 
     def issued(self, rank: int, stream, tag) -> float:
-        return self.ranks[rank].clock.ready(stream, tag)
+        clock = self.ranks[rank].clock
+        clock.issue_call(self.hardware.call_floor)
+        return clock.ready(stream, tag)
 
     def schedule(self, op, size, group, members, stream):
         start = max(ready for _, ready in members)

@@ -50,6 +50,7 @@ def test_calibrate_writes_a_profile_that_plan_takes(tmp_path):
     assert "matmul_fraction" in r.stdout and "nvlink" in r.stdout and "one block + head" in r.stdout
     hw = load_hardware(str(out))
     assert hw.name == "cpu" and "calibrate on 2× cpu" in hw.source and hw.kernel_floor > 0
+    assert "collective_floor" in r.stdout and hw.collective_floor > 0  # measured on the 2 ranks
     record = json.loads(out.read_text())["calibration"]
     assert {c["op"] for c in record["collectives"]} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
                                                         "send_recv"}

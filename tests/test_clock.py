@@ -11,7 +11,9 @@ from simulator.hardware import PROFILES, load_hardware
 from ddp import DistributedDataParallel
 from model import GPT, preset
 
-H100 = PROFILES["h100-sxm"]
+# calls cost the host nothing here, so each test sees only what it is about
+# (test_a_call_costs_the_host_its_floor checks that cost)
+H100 = dataclasses.replace(PROFILES["h100-sxm"], collective_floor=0.0)
 N = 4
 S = 64 * 2**20  # bytes of the all-reduced tensor (meta: counted and timed, never moved)
 COST = collective_cost("all_reduce", S, range(N), H100)[0]
@@ -52,6 +54,33 @@ def test_a_collective_starts_when_its_last_member_arrives():
         assert b["idle"] == pytest.approx(last - 1e-3 * r, abs=1e-15)
         assert b["exposed_comm"] == pytest.approx(COST)
         assert b["time"] == pytest.approx(b["compute"] + b["host"] + b["idle"] + b["exposed_comm"])
+
+
+def test_a_call_costs_the_host_its_floor():
+    """Issuing a collective costs the host the profile's call floor: from idle the call
+    starts that much later; behind a long kernel (the host ahead) it costs nothing more."""
+    hw = dataclasses.replace(PROFILES["h100-sxm"], collective_floor=300e-6)
+    a = torch.empty(8192, 8192, dtype=torch.bfloat16, device="meta")
+    kernel = 2 * 8192 ** 3 / (hw.peak_bf16_flops * hw.matmul_fraction)
+    assert kernel > 2 * hw.collective_floor
+
+    def fn(world, busy):
+        clock = world.timing.clock
+        world.timing.compute_model.synchronize()
+        t0 = clock.now
+        if busy:
+            a @ a
+        world.all_reduce(torch.empty(S // 4, device="meta"))
+        return clock.now - t0, clock.breakdown()
+    cost = collective_cost("all_reduce", S, range(2), hw)[0]
+    for (elapsed, b) in launch(fn, 2, args=(False,), time_model=SimulatedTime(hw)).values:
+        assert elapsed == pytest.approx(hw.collective_floor + cost)
+        assert b["host"] == pytest.approx(hw.collective_floor) and b["issuing"] == pytest.approx(hw.collective_floor)
+    for (elapsed, b) in launch(fn, 2, args=(True,), time_model=SimulatedTime(hw)).values:
+        assert elapsed == pytest.approx(hw.kernel_floor + kernel + cost)
+        assert b["issuing"] == pytest.approx(hw.kernel_floor + hw.collective_floor)
+    # a profile without collective_floor charges one kernel_floor per call
+    assert PROFILES["h100-sxm"].call_floor == PROFILES["h100-sxm"].kernel_floor
 
 
 def test_recv_completes_no_earlier_than_the_send():

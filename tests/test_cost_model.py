@@ -81,12 +81,14 @@ def test_profiles_and_files(tmp_path):
     calibrated = load_hardware("h200")
     assert calibrated.peak_bf16_flops == h200.peak_bf16_flops and 139 * 2**30 < calibrated.hbm_capacity < 141 * 2**30
     assert load_hardware("a100-80gb").nvlink_bandwidth == 300e9
-    custom = {**H100.to_dict(), "name": "mine", "gpus_per_node": 4, "network_bandwidth": 12.5e9}
+    custom = {**H100.to_dict(), "name": "mine", "gpus_per_node": 4, "network_bandwidth": 12.5e9,
+              "collective_floor": 1e-4}  # (optional: without it a call costs the host one kernel_floor)
     (tmp_path / "hw.json").write_text(json.dumps(custom))
     (tmp_path / "hw.toml").write_text("\n".join(f"{k} = {json.dumps(v)}" for k, v in custom.items()))
     for name in ("hw.json", "hw.toml"):
         hw = load_hardware(str(tmp_path / name))
         assert hw.name == "mine" and hw.gpus_per_node == 4 and hw.network_bandwidth == 12.5e9
+        assert hw.call_floor == 1e-4
     del custom["hbm_capacity"]
     (tmp_path / "bad.json").write_text(json.dumps(custom))
     with pytest.raises(ValueError, match=r"missing \['hbm_capacity'\]"):
