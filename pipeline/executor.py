@@ -24,6 +24,9 @@ as that stage has finished them.
 `hidden_shape(tokens)` gives the shape of the activations a stage receives for a
 microbatch of `tokens` (with sequence parallelism, the rank's slice of the sequence).
 
+`memory` (the rank's MemoryTracker): in split backward, the inputs the linear layers keep
+for W count as activations until W (weight_grad_store.py).
+
 `unit_costs` (seconds per F, B, I, W of a whole stage; a chunk costs 1/v of it) replaces
 the counted compute with fixed costs on the simulated clock, to measure a schedule's
 bubble with equal stage costs.
@@ -39,7 +42,7 @@ from .weight_grad_store import WeightGradStore
 
 class PipelineExecutor:
     def __init__(self, chunks: list, group, actions: list, hidden_shape, virtual_stages: int = 1, syncs=None,
-                 unit_costs=None, hidden_dtype=torch.float32):
+                 unit_costs=None, hidden_dtype=torch.float32, memory=None):
         self.chunks, self.group, self.actions, self.v = chunks, group, actions, virtual_stages
         self.p, self.rank = group.size, group.rank
         self.hidden_shape = hidden_shape
@@ -48,7 +51,7 @@ class PipelineExecutor:
         self.hidden_dtype = hidden_dtype
         self.weight_grads = None
         if any(a.kind == "I" for a in actions):
-            self.weight_grads = WeightGradStore()
+            self.weight_grads = WeightGradStore(memory)
             for c in chunks:
                 self.weight_grads.install(c)
         # the index of each chunk's last backward action: gradients are synchronised there

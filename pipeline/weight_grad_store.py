@@ -65,12 +65,23 @@ class _DeferLinears(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class WeightGradStore:
-    """The weight gradients one pipeline rank has deferred: `collect()` opens a list for
-    one I pass and returns it; `apply(entries)` is the W pass."""
+class _Deferred(list):
+    """One I pass's deferred layers, with the memory tracker's handles on their inputs."""
 
     def __init__(self):
+        super().__init__()
+        self.held = []
+
+
+class WeightGradStore:
+    """The weight gradients one pipeline rank has deferred: `collect()` opens a list for
+    one I pass and returns it; `apply(entries)` is the W pass. With a `memory` tracker
+    (simulator.MemoryTracker), the input X each deferred layer keeps for W counts as an
+    activation until W has run: autograd let go of it after I, the store has not."""
+
+    def __init__(self, memory=None):
         self._open = None
+        self.memory = memory
 
     def install(self, module) -> int:
         """Put every linear layer (a module whose direct `weight` is a 2-D parameter that
@@ -103,11 +114,15 @@ class WeightGradStore:
         if self._open is None:
             raise RuntimeError("a deferred linear layer ran backward outside the pipeline's I pass")
         self._open.append((x, g, weight, bias))
+        if self.memory is not None and self.memory.tracking:
+            # (dY, made in backward, is already counted as a temporary while it lives)
+            self._open.held.append(self.memory.hold(x))
 
     @contextlib.contextmanager
     def collect(self):
-        """A context for one I pass; yields the list its linear layers fill."""
-        self._open = []
+        """A context for one I pass; yields the list its linear layers fill (its handles on
+        the inputs go when the list does, after W)."""
+        self._open = _Deferred()
         try:
             yield self._open
         finally:
@@ -121,6 +136,8 @@ class WeightGradStore:
         if params:
             root = _WeightGradients.apply(entries, *params)
             root.backward(root)  # the root's gradient is never read: no kernel to make one
+        if isinstance(entries, _Deferred):
+            entries.held.clear()  # the inputs are W's no longer
         return bool(params)
 
 

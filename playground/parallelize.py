@@ -393,7 +393,7 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_di
         actions = build_schedule(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)[pp.rank]
         executor = PipelineExecutor(parts, pp, actions, hidden_shape=hidden_shape,
                                     virtual_stages=layout.virtual_stages, syncs=syncs, unit_costs=unit_costs,
-                                    hidden_dtype=hidden_dtype)
+                                    hidden_dtype=hidden_dtype, memory=memory)
         runner = PipelineRunner(executor, pp, autocast)
     else:
         runner = GradientAccumulation(parts[0], syncs[0], autocast)

@@ -171,6 +171,31 @@ def test_deferred_weight_gradients_equal_one_backward(monkeypatch):
         assert torch.equal(a.grad, b.grad), n
 
 
+def test_the_inputs_kept_for_w_count_as_activations_until_w():
+    """Autograd lets go of a linear layer's input after I, the store keeps it for W: with a
+    memory tracker the store counts each distinct input storage until W has run."""
+    import torch
+    from model.gpt import GPT
+    from pipeline.weight_grad_store import WeightGradStore
+    from simulator import MemoryTracker
+    from simulator.memory import storage_bytes
+    cfg = preset("tiny", n_layers=2, vocab_size=61)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    memory = MemoryTracker()
+    model = GPT(cfg, dtype=torch.float64)
+    store = WeightGradStore(memory)
+    store.install(model)
+    with memory.track_activations(exclude=list(model.parameters())):
+        loss = model(x, x)
+        with store.collect() as deferred:
+            loss.backward()
+        del loss
+        kept = storage_bytes(x_ for x_, _, _, _ in deferred)
+        assert kept > 0 and memory.activations == kept
+        assert WeightGradStore.apply(deferred)
+        assert memory.activations == 0
+
+
 def test_the_check_catches_a_lost_weight_gradient(monkeypatch):
     """Sabotage: W drops the last deferred layer of each microbatch (the first linear layer
     of the chunk); ZB-H1 must then fail the equivalence check."""
