@@ -140,6 +140,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="plan every layout of --world for --global-batch (tp, pp, cp, ep, ZeRO, schedule, micro-batch "
                          "size, --ac) and print the fastest that fit; --tp/--pp/--cp/--ep given fix those axes")
     pl.add_argument("--top", type=int, default=10, help="with --search: how many layouts to print")
+    pl.add_argument("--exact", type=int, default=3,
+                    help="with --search: how many of the fastest to plan in full (the others are estimated from "
+                         "shallow plans, marked *)")
     pl.set_defaults(dtype="bfloat16")
     c = sub.add_parser("calibrate", formatter_class=_Help,
                        help="measure this machine's kernels and links and write a hardware profile (--hardware FILE)")
@@ -498,7 +501,11 @@ def _search(args) -> int:
     except ValueError as e:
         print(f"playground plan: {e}", file=sys.stderr)
         return 2
-    res = search(run, args.world, args.global_batch, fixed)
+    if args.exact < 1:
+        print(f"playground plan --search: --exact {args.exact}: plan at least the fastest layout in full",
+              file=sys.stderr)
+        return 2
+    res = search(run, args.world, args.global_batch, fixed, exact=args.exact)
     print(search_summary(res, run, args.top))
     return 0 if res.fits else 1
 

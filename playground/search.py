@@ -16,10 +16,28 @@ full. Axes the caller fixes (`fixed`) are not searched.
 
 Each candidate is first held to `Layout.validate` and to a lower bound of its memory (the
 model states alone: bf16 weights and gradients, fp32 master weights and moments, split by
-tp·pp and sharded by ZeRO over dp·cp); the survivors are planned (`planning.plan`), and a
-plan whose peak exceeds the profile's HBM is rejected with its peak. Checkpointing modes
-are tried in the order none, selective, full, and a layout that fits with one is not
-planned with the next: recomputation only adds time.
+tp·pp and sharded by ZeRO over dp·cp); the survivors are estimated (`estimate`), and one
+whose peak exceeds the profile's HBM is rejected with its peak. Checkpointing modes are
+tried in the order none, selective, full, and a layout that fits with one is not tried
+with the next: recomputation only adds time. The `exact` fastest that fit are then
+planned in full (`planning.plan`), so the layouts the search prints are plans, not
+estimates (one whose full plan exceeds the HBM is rejected then, and the next taken).
+
+Estimates share the work of identical parts (the search's sub-plans): every block of the
+model is the same, so a rank's step time and peak memory are affine in the blocks each
+pipeline chunk holds, k (compute, activations, parameters and their states, the gradient
+buckets: per block; the embedding, the head and the schedule's constant part: not), and
+in the microbatches m once every stage is busy (1F1B's makespan is (m + p - 1) steps and
+its peak holds min(m, p) microbatches: affine from m = p; the interleaved schedule's
+warm-up holds up to about 3p chunks, so from m = 2p; without a pipeline, gradient
+accumulation repeats one microbatch: from m = 1). The blocks are affine from k = 1, and
+from k = 2 under ZeRO-3 (with one block it has no next layer to prefetch). So a layout is
+planned at k ∈ {k0, k0 + 1} blocks per chunk and m ∈ {m0, 2·m0} microbatches, on the same
+shapes otherwise, and its
+step and peak are the bilinear extrapolation of those four plans to its own k and m (an
+axis already at most that small is planned as it is). The product term carries the
+compute, which grows with k·m. On the tiny and small presets (tests/test_search.py) the
+estimates equal the full plans' step and peak to 0.1%.
 """
 from __future__ import annotations
 
@@ -79,17 +97,64 @@ def model_states_bound(cfg, layout: Layout) -> float:
 
 
 @dataclass
+class Estimate:
+    """A layout's step and peak memory: from shallow plans (`estimate`), or `plan`'s own
+    when the layout was planned in full (`exact`)."""
+    layout: Layout
+    step_s: float
+    peak: float  # bytes, the largest over the ranks
+    plans: int  # the plans it took
+    plan: object = None  # the full Plan (exact estimates)
+
+    @property
+    def exact(self) -> bool:
+        return self.plan is not None
+
+
+def _weights(points: tuple, x: int) -> list:
+    """Linear (Lagrange) weights of `points` (one or two) at x."""
+    if len(points) == 1:
+        return [1.0]
+    a, b = points
+    return [(b - x) / (b - a), (x - a) / (b - a)]
+
+
+def estimate(run) -> Estimate:
+    """`run`'s layout (module docstring: planned at k ∈ {k0, k0 + 1} blocks per chunk and
+    m ∈ {m0, 2·m0} microbatches, extrapolated bilinearly to its own k and m)."""
+    cfg, layout = run.model, run.layout
+    chunks = layout.pp * layout.virtual_stages
+    k, m = cfg.n_layers // chunks, layout.microbatches
+    # where both are affine already (see the module docstring)
+    m0 = 1 if layout.pp == 1 else 2 * layout.pp if layout.virtual_stages > 1 else layout.pp
+    k0 = 2 if layout.zero >= 3 else 1
+    ks = (k0, k0 + 1) if k > k0 + 1 else (k,)
+    ms = (m0, 2 * m0) if m > 2 * m0 else (m,)
+    if ks == (k,) and ms == (m,):  # small enough to plan as it is
+        p = plan(run)
+        return Estimate(layout, p.step_s, max(v["memory"]["peak_total"] for v in p.values), 1, p)
+    step = peak = 0.0
+    for kk, wk in zip(ks, _weights(ks, k)):
+        for mm, wm in zip(ms, _weights(ms, m)):
+            p = plan(replace(run, model=cfg.with_(n_layers=chunks * kk), layout=replace(layout, microbatches=mm)))
+            step += wk * wm * p.step_s
+            peak += wk * wm * max(v["memory"]["peak_total"] for v in p.values)
+    return Estimate(layout, step, peak, len(ks) * len(ms))
+
+
+@dataclass
 class SearchResult:
-    fits: list = field(default_factory=list)  # (Plan, layout), fastest first
+    fits: list = field(default_factory=list)  # Estimate, fastest first (the first `exact` planned in full)
     rejected: list = field(default_factory=list)  # (layout, kind, reason)
     considered: int = 0
-    planned: int = 0
+    estimated: int = 0  # layouts estimated
+    planned: int = 0  # plans run (shallow and full)
     wall_s: float = 0.0
 
 
-def search(run, world: int, global_batch: int, fixed: dict | None = None) -> SearchResult:
-    """Plan every candidate layout of `run` (its model, dtype and hardware) on `world` ranks
-    with `global_batch` sequences per step."""
+def search(run, world: int, global_batch: int, fixed: dict | None = None, exact: int = 3) -> SearchResult:
+    """Estimate every candidate layout of `run` (its model, dtype and hardware) on `world`
+    ranks with `global_batch` sequences per step; plan the `exact` fastest that fit in full."""
     t0 = time.perf_counter()
     hw = load_hardware(run.hardware)
     res = SearchResult()
@@ -110,18 +175,34 @@ def search(run, world: int, global_batch: int, fixed: dict | None = None) -> Sea
             res.rejected.append((layout, "model states exceed HBM", f"model states alone {bound / 2**30:.1f} GiB > "
                                  f"{hw.hbm_capacity / 2**30:.1f} GiB of HBM"))
             continue
-        p = plan(replace(run, layout=layout))
-        res.planned += 1
-        peak = max(v["memory"]["peak_total"] for v in p.values)
-        if peak > hw.hbm_capacity:
-            res.rejected.append((layout, "planned peak exceeds HBM", f"planned peak {peak / 2**30:.1f} GiB > "
-                                 f"{hw.hbm_capacity / 2**30:.1f} GiB of HBM"))
+        e = estimate(replace(run, layout=layout))
+        res.estimated += 1
+        res.planned += e.plans
+        if e.peak > hw.hbm_capacity:
+            res.rejected.append((layout, "planned peak exceeds HBM", _over(e, hw)))
             continue
-        res.fits.append((p, layout))
+        res.fits.append(e)
         fitted.add(replace(layout, ac="none"))
-    res.fits.sort(key=lambda x: x[0].step_s)
+    res.fits.sort(key=lambda e: e.step_s)
+    confirmed, rest = [], list(res.fits)
+    while rest and len(confirmed) < exact:  # the fastest, planned in full
+        e = rest.pop(0)
+        if not e.exact:
+            p = plan(replace(run, layout=e.layout))
+            res.planned += 1
+            e = Estimate(e.layout, p.step_s, max(v["memory"]["peak_total"] for v in p.values), e.plans + 1, p)
+            if e.peak > hw.hbm_capacity:
+                res.rejected.append((e.layout, "planned peak exceeds HBM", _over(e, hw)))
+                continue
+        confirmed.append(e)
+    res.fits = sorted(confirmed, key=lambda e: e.step_s) + rest
     res.wall_s = time.perf_counter() - t0
     return res
+
+
+def _over(e: Estimate, hw) -> str:
+    what = "planned" if e.exact else "estimated"
+    return f"{what} peak {e.peak / 2**30:.1f} GiB > {hw.hbm_capacity / 2**30:.1f} GiB of HBM"
 
 
 def search_summary(res: SearchResult, run, top: int = 10) -> str:
@@ -129,14 +210,16 @@ def search_summary(res: SearchResult, run, top: int = 10) -> str:
 
     from .report import table
     cfg = run.model
+    hw = load_hardware(run.hardware)
     lines = [f"\nplayground plan --search: {res.considered} layouts of {cfg.n_params():,} parameters on "
-             f"{run.hardware}, {res.planned} planned in {res.wall_s:.1f} s; {len(res.fits)} fit, "
-             f"the {min(top, len(res.fits))} fastest:"]
+             f"{run.hardware}, {res.estimated} estimated ({res.planned} plans) in {res.wall_s:.1f} s; "
+             f"{len(res.fits)} fit, the {min(top, len(res.fits))} fastest (planned in full unless marked *):"]
     rows = []
-    for p, layout in res.fits[:top]:
-        peak = max(v["memory"]["peak_total"] for v in p.values)
-        rows.append([layout.describe(), layout.micro_batch_size, f"{p.step_s * 1e3:.3f} ms", f"{p.tokens_per_s:,.0f}",
-                     f"{100 * p.mfu:.1f}%", human_bytes(peak)])
+    for e in res.fits[:top]:
+        tokens_per_s = e.layout.global_batch * cfg.seq_len / e.step_s
+        mfu = cfg.mfu(tokens_per_s, e.layout.world, hw.peak_bf16_flops)
+        rows.append([e.layout.describe() + ("" if e.exact else " *"), e.layout.micro_batch_size,
+                     f"{e.step_s * 1e3:.3f} ms", f"{tokens_per_s:,.0f}", f"{100 * mfu:.1f}%", human_bytes(e.peak)])
     if rows:
         lines.append(table(["layout", "micro-batch", "step", "tokens/s", "MFU", "peak memory"], rows, left=1))
     reasons: dict = {}
