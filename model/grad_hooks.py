@@ -17,6 +17,7 @@ to reduce (gradient accumulation reduces once, at the last microbatch).
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -31,7 +32,17 @@ class GradientReady:
         self.require_sync = True
         self._armed = False
         self._pending = [set(m) for m in self._members]
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for m in self._members for p in m]
+        # the hooks live on the parameters, outside what Python's garbage collector sees: a
+        # strong reference from them back to this object (and through it to the strategy, its
+        # process groups and the whole simulated world) would never be freed; a planner that
+        # plans layout after layout grew by every plan's world
+        this = weakref.ref(self)
+
+        def grad_ready(p):
+            ready = this()
+            if ready is not None:
+                ready._grad_ready(p)
+        self._hooks = [p.register_post_accumulate_grad_hook(grad_ready) for m in self._members for p in m]
 
     @contextlib.contextmanager
     def no_sync(self):

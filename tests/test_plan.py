@@ -105,3 +105,22 @@ def test_stages_whose_ranks_sit_differently_across_nodes_are_planned_rank_by_ran
     assert not p.by_classes and "every rank run" in summary(p)
     exposed = {round(v["step"]["exposed_comm"], 9) for v in p.values[:6]}
     assert len(exposed) == 2  # ranks 0, 1 and ranks 2-5 differ: why they cannot share a stand-in
+
+
+@pytest.mark.parametrize("axes", [dict(dp=2, zero=0), dict(dp=2, zero=3)])
+def test_a_plan_leaves_nothing_behind(axes):
+    """The gradient hooks DDP and ZeRO put on parameters live where the garbage collector
+    cannot see: a strong reference back to the strategy kept every plan's whole simulated
+    world alive, and a search planning layout after layout grew by gigabytes."""
+    import gc
+    from simulator import SimulatedTime
+
+    def alive():
+        gc.collect()
+        return sum(isinstance(o, SimulatedTime) for o in gc.get_objects())
+    before = alive()
+    for _ in range(2):
+        p = plan(RunConfig(model=preset("tiny"), layout=Layout(**axes), hardware="h100-sxm", progress=False))
+        assert p.step_s > 0
+        del p
+    assert alive() == before
