@@ -56,7 +56,7 @@ def compare(path: str, hardware: str) -> dict:
     blocked = m["throughput"].get("host_blocked_s")  # (runs before run16 did not record it)
     host_own = median([t - b for t, b in zip(m["throughput"]["step_times_s"][1:], blocked[1:])]) if blocked else None
     cuda_peak = max(r.get("cuda_peak_allocated", 0) for r in m["memory"])
-    planned_peak = max(v["memory"]["peak_total"] for v in p.values)
+    planned_peak = p.peak
     return {"layout": os.path.basename(path)[:-5], "measured_in": os.path.basename(os.path.dirname(path)),
             "describe": run.layout.describe(), "measured_step_s": measured,
             "planned_step_s": p.step_s, "step_error": p.step_s / measured - 1, "planned": slowest,

@@ -32,7 +32,7 @@ def main() -> None:
     p = plan(run)
     wall = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
-    peak = max(v["memory"]["peak_total"] for v in p.values)
+    peak = p.peak
     row = {"world": layout.world, "describe": layout.describe(), "wall_s": wall, "max_rss": rss,
            "by_classes": p.by_classes, "step_s": p.step_s, "tokens_per_s": p.tokens_per_s, "mfu": p.mfu,
            "peak_per_gpu": peak}

@@ -81,7 +81,7 @@ def narayanan_row(row) -> dict:
     return {"billions": billions, "params": cfg.n_params(), "t": t, "p": p, "gpus": n, "batch": batch,
             "paper_tflops": paper, "planned_tflops": planned, "error": planned / paper - 1, "step_s": pl.step_s,
             "split": slowest, "plan_wall_s": time.perf_counter() - t0,
-            "peak_gib": max(v["memory"]["peak_total"] for v in pl.values) / 2**30}
+            "peak_gib": pl.peak / 2**30}
 
 
 def main() -> None:

@@ -81,6 +81,11 @@ class Plan:
         return max(v["step"]["time"] for v in self.values)
 
     @property
+    def peak(self) -> int:
+        """The largest peak total memory over the ranks (bytes)."""
+        return max(v["memory"]["peak_total"] for v in self.values)
+
+    @property
     def tokens_per_s(self) -> float:
         return self.run.tokens_per_step / self.step_s
 

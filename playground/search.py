@@ -33,11 +33,10 @@ warm-up holds up to about 3p chunks, so from m = 2p; without a pipeline, gradien
 accumulation repeats one microbatch: from m = 1). The blocks are affine from k = 1, and
 from k = 2 under ZeRO-3 (with one block it has no next layer to prefetch). So a layout is
 planned at k ∈ {k0, k0 + 1} blocks per chunk and m ∈ {m0, 2·m0} microbatches, on the same
-shapes otherwise, and its
-step and peak are the bilinear extrapolation of those four plans to its own k and m (an
-axis already at most that small is planned as it is). The product term carries the
-compute, which grows with k·m. On the tiny and small presets (tests/test_search.py) the
-estimates equal the full plans' step and peak to 0.1%.
+shapes otherwise, and its step and peak are the bilinear extrapolation of those four
+plans to its own k and m (an axis already at most that small is planned as it is). The
+product term carries the compute, which grows with k·m. On the tiny and small presets
+(tests/test_search.py) the estimates equal the full plans' step and peak to 0.1%.
 """
 from __future__ import annotations
 
@@ -98,17 +97,18 @@ def model_states_bound(cfg, layout: Layout) -> float:
 
 @dataclass
 class Estimate:
-    """A layout's step and peak memory: from shallow plans (`estimate`), or `plan`'s own
-    when the layout was planned in full (`exact`)."""
+    """A layout's step and peak memory: from shallow plans (`estimate`), or its full plan's
+    (`exact`). The plans themselves are not kept (a search holds hundreds of estimates)."""
     layout: Layout
     step_s: float
     peak: float  # bytes, the largest over the ranks
     plans: int  # the plans it took
-    plan: object = None  # the full Plan (exact estimates)
+    exact: bool = False
 
-    @property
-    def exact(self) -> bool:
-        return self.plan is not None
+    @classmethod
+    def planned(cls, p, plans: int) -> "Estimate":
+        """The full plan `p` of its layout, after `plans` plans in all."""
+        return cls(p.run.layout, p.step_s, p.peak, plans, exact=True)
 
 
 def _weights(points: tuple, x: int) -> list:
@@ -131,14 +131,13 @@ def estimate(run) -> Estimate:
     ks = (k0, k0 + 1) if k > k0 + 1 else (k,)
     ms = (m0, 2 * m0) if m > 2 * m0 else (m,)
     if ks == (k,) and ms == (m,):  # small enough to plan as it is
-        p = plan(run)
-        return Estimate(layout, p.step_s, max(v["memory"]["peak_total"] for v in p.values), 1, p)
+        return Estimate.planned(plan(run), 1)
     step = peak = 0.0
     for kk, wk in zip(ks, _weights(ks, k)):
         for mm, wm in zip(ms, _weights(ms, m)):
             p = plan(replace(run, model=cfg.with_(n_layers=chunks * kk), layout=replace(layout, microbatches=mm)))
             step += wk * wm * p.step_s
-            peak += wk * wm * max(v["memory"]["peak_total"] for v in p.values)
+            peak += wk * wm * p.peak
     return Estimate(layout, step, peak, len(ks) * len(ms))
 
 
@@ -188,9 +187,8 @@ def search(run, world: int, global_batch: int, fixed: dict | None = None, exact:
     while rest and len(confirmed) < exact:  # the fastest, planned in full
         e = rest.pop(0)
         if not e.exact:
-            p = plan(replace(run, layout=e.layout))
             res.planned += 1
-            e = Estimate(e.layout, p.step_s, max(v["memory"]["peak_total"] for v in p.values), e.plans + 1, p)
+            e = Estimate.planned(plan(replace(run, layout=e.layout)), e.plans + 1)
             if e.peak > hw.hbm_capacity:
                 res.rejected.append((e.layout, "planned peak exceeds HBM", _over(e, hw)))
                 continue
