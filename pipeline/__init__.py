@@ -5,6 +5,7 @@ import importlib
 _EXPORTS = {
     "PipelineExecutor": "executor", "partition": "split", "prune": "split", "split_stages": "split",
     "Action": "schedules", "ScheduleError": "schedules", "SCHEDULES": "schedules", "build_schedule": "schedules",
+    "fewest_microbatches": "schedules",
     "makespan": "schedules", "table": "schedules",
 }
 __all__ = list(_EXPORTS)

@@ -27,6 +27,10 @@ microbatch of `tokens` (with sequence parallelism, the rank's slice of the seque
 `memory` (the rank's MemoryTracker): in split backward, the inputs the linear layers keep
 for W count as activations until W (weight_grad_store.py).
 
+`schedule(m)` (optional) gives the rank's actions for a step of m microbatches: a step
+may then run another number of microbatches than `actions` holds (planning's first step
+runs the fewest the schedule allows: it only makes the optimizer's states).
+
 `unit_costs` (seconds per F, B, I, W of a whole stage; a chunk costs 1/v of it) replaces
 the counted compute with fixed costs on the simulated clock, to measure a schedule's
 bubble with equal stage costs.
@@ -42,8 +46,10 @@ from .weight_grad_store import WeightGradStore
 
 class PipelineExecutor:
     def __init__(self, chunks: list, group, actions: list, hidden_shape, virtual_stages: int = 1, syncs=None,
-                 unit_costs=None, hidden_dtype=torch.float32, memory=None):
+                 unit_costs=None, hidden_dtype=torch.float32, memory=None, schedule=None):
         self.chunks, self.group, self.actions, self.v = chunks, group, actions, virtual_stages
+        self.schedule = schedule
+        self.m = 1 + max(a.microbatch for a in actions)
         self.p, self.rank = group.size, group.rank
         self.hidden_shape = hidden_shape
         self.syncs = syncs
@@ -54,11 +60,16 @@ class PipelineExecutor:
             self.weight_grads = WeightGradStore(memory)
             for c in chunks:
                 self.weight_grads.install(c)
-        # the index of each chunk's last backward action: gradients are synchronised there
-        self.sync_at = {}
-        for k, a in enumerate(actions):
-            if a.kind in ("B", "W"):
-                self.sync_at[a.chunk] = k
+        self.sync_at = _last_backward(actions)
+
+    def _plan(self, m: int):
+        """The actions of a step of `m` microbatches and each chunk's syncing backward."""
+        if m == self.m:
+            return self.actions, self.sync_at
+        if self.schedule is None:
+            raise ValueError(f"this pipeline's schedule runs {self.m} microbatches per step, not {m}")
+        actions = self.schedule(m)
+        return actions, _last_backward(actions)
 
     def _sync(self, chunk: int, sync: bool):
         """Data parallelism reduces the gradients in this backward call only when `sync`."""
@@ -81,13 +92,14 @@ class PipelineExecutor:
         """Run the step on microbatches `inputs` (token ids; targets for the last stage);
         returns the sum of the microbatch losses / m on the last stage's rank, else 0."""
         m = len(inputs)
+        actions, sync_at = self._plan(m)
         last_stage = self.p * self.v - 1
         x_in, out, g_out, g_in = {}, {}, {}, {}
         w_pending = {}  # split backward: the weight gradients I deferred, per (microbatch, chunk)
         sends = []
         total = torch.zeros((), dtype=torch.float64, device=inputs[0].device)
         prev, nxt = (self.rank - 1) % self.p, (self.rank + 1) % self.p
-        for k, a in enumerate(self.actions):
+        for k, a in enumerate(actions):
             key = (a.microbatch, a.chunk)
             s = self._stage(a.chunk)
             if a.kind == "RECV_F":
@@ -110,7 +122,7 @@ class PipelineExecutor:
                 self.group.recv(g, src=nxt, label="pp.gradients")
                 g_out[key] = g
             elif a.kind in ("B", "W"):
-                sync = self.syncs is None or self.sync_at[a.chunk] == k
+                sync = self.syncs is None or sync_at[a.chunk] == k
                 with self._compute(a.kind):
                     if a.kind == "B":
                         with self._sync(a.chunk, sync):
@@ -137,3 +149,8 @@ class PipelineExecutor:
         for w in sends:
             w.wait()
         return total
+
+
+def _last_backward(actions: list) -> dict:
+    """{chunk: the index of its last backward action}: gradients are synchronised there."""
+    return {a.chunk: k for k, a in enumerate(actions) if a.kind in ("B", "W")}

@@ -125,6 +125,12 @@ def _plain(v: int, name: str) -> None:
         raise ScheduleError(f"schedule {name!r} runs one chunk per rank; virtual stages (v={v}) need 'interleaved'")
 
 
+def fewest_microbatches(name: str, p: int) -> int:
+    """The fewest microbatches a step of schedule `name` on `p` ranks can run (the
+    interleaved schedule runs them in groups of p)."""
+    return p if name == "interleaved" else 1
+
+
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> list:
     """Compute actions per rank for schedule `name`, with the communication added."""
     makers = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb1": zb_h1}

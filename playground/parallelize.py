@@ -390,10 +390,11 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_di
 
         def hidden_shape(tokens):
             return tokens.shape[0], tokens.shape[1] // split, cfg.d_model
-        actions = build_schedule(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)[pp.rank]
-        executor = PipelineExecutor(parts, pp, actions, hidden_shape=hidden_shape,
+        def schedule(m):
+            return build_schedule(layout.schedule, layout.pp, m, layout.virtual_stages)[pp.rank]
+        executor = PipelineExecutor(parts, pp, schedule(layout.microbatches), hidden_shape=hidden_shape,
                                     virtual_stages=layout.virtual_stages, syncs=syncs, unit_costs=unit_costs,
-                                    hidden_dtype=hidden_dtype, memory=memory)
+                                    hidden_dtype=hidden_dtype, memory=memory, schedule=schedule)
         runner = PipelineRunner(executor, pp, autocast)
     else:
         runner = GradientAccumulation(parts[0], syncs[0], autocast)

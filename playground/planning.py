@@ -2,8 +2,9 @@
 per-rank program on meta tensors (shapes only: parameters, activations, collectives).
 
 Every rank builds its part of the model through `parallelize` on the meta device and runs
-two training steps, optimizer included (AdamW makes its moments at the first; the second
-is the one reported), under the simulator's clock and memory accounting. bfloat16 is
+two training steps, optimizer included (AdamW makes its moments at the first, which runs
+the fewest microbatches the schedule allows and is not counted; the second is the one
+reported), under the simulator's clock and memory accounting. bfloat16 is
 planned with bf16 compute copies and fp32 master weights and moments (ZeRO's engine, at
 stage 0 without --zero), as mixed-precision training keeps them on GPUs; autocast does not
 exist on meta. Attention is priced as the flash kernel a GPU runs (docs/architecture.md,
@@ -24,7 +25,6 @@ each rank moves per step by label.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, replace
 
@@ -34,6 +34,7 @@ from collectives import Mesh, ReduceOp, launch
 from collectives.mesh import coords_of, ranks_along
 from collectives.ledger import human_bytes
 from model import GPT
+from pipeline import fewest_microbatches
 from simulator import MemoryTracker, SimulatedTime, load_hardware
 from simulator.cost_model import placement
 
@@ -51,10 +52,12 @@ def plan_rank(world, run) -> dict:
     micro = tokens.split(layout.micro_batch_size)
     clock, compute = world.timing.clock, world.timing.compute_model
     replicas = data_parallel_group(mesh, layout)
+    fewest = fewest_microbatches(layout.schedule, layout.pp) if layout.pp > 1 else 1
     for step in range(2):  # the first makes AdamW's moments; its ops need no counting
         with compute.paused() if step == 0 else compute.step():  # (a step starts with host and device in step)
             before = clock.breakdown()
-            total = model.run_step(micro, lambda: memory.track_activations(exclude=model.params))
+            total = model.run_step(micro[:fewest] if step == 0 else micro,
+                                   lambda: memory.track_activations(exclude=model.params))
             model.step()
             replicas.all_reduce(total, op=ReduceOp.AVG, label="metrics.loss")  # as a training step does
             after = clock.breakdown()
@@ -141,8 +144,9 @@ def plan(run, every_rank: bool = False) -> Plan:
     by_classes = not every_rank and uniform_stages(run.layout, load_hardware(run.hardware).gpus_per_node)
     live = sorted(set(of.values())) if by_classes else None
     time_model = SimulatedTime(run.hardware)
-    res = launch(plan_rank, run.layout.world, args=(run,), time_model=time_model,
-                 max_running=2 * (os.cpu_count() or 1), live=live)
+    # one rank at a time: ops on meta tensors hold the GIL, so more running rank threads only
+    # contend for it (the 70b plan of benchmarks/plan_scale.py: 36 s, against 59 s with four)
+    res = launch(plan_rank, run.layout.world, args=(run,), time_model=time_model, max_running=1, live=live)
     values, ledger = res.values, res.ledger
     if live is not None:  # every rank reports what its stand-in measured
         values = [values[of[r]] for r in range(run.layout.world)]
