@@ -39,6 +39,7 @@ from activation_checkpointing import checkpoint_blocks
 from collectives.timing import optimizer_kernel
 from ddp import DistributedDataParallel
 from model import placement_of
+from model.gpt import CrossEntropy
 from model.optimizer import adamw, step_count
 from moe import expert_parameters, parallelize_experts
 from pipeline import PipelineExecutor, build_schedule, split_stages
@@ -267,9 +268,14 @@ def compile_blocks(model, backend: str = "inductor") -> None:
     """torch.compile each block's body (its attention and MLP, with the tensor- and context-
     parallel modules inside), as torchtitan compiles per block: one graph serves every block
     (their code is the same, the modules are inputs). The block's own call, and the hooks
-    data parallelism puts on it, stay eager."""
+    data parallelism puts on it, stay eager. The plain cross-entropy of a part with the head
+    is compiled too: its float32 upcast, log-softmax and their backward then run as a few
+    fused kernels over the logits instead of writing and reading float32 logits several
+    times (a vocabulary-parallel loss, with its collectives, stays eager)."""
     for block in model.blocks.values():
         block.body = torch.compile(block.body, backend=backend)
+    if model.lm_head is not None and type(model.loss) is CrossEntropy:
+        model.loss = torch.compile(model.loss, backend=backend)
 
 
 def _uses_zero(run) -> bool:
