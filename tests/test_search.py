@@ -11,7 +11,7 @@ import pytest
 from model import preset
 from playground import Layout, RunConfig
 from playground.planning import plan
-from playground.search import candidates, estimate, model_states_bound, search
+from playground.search import candidates, estimate, model_states_bound, points, search
 
 CFG = preset("tiny", n_layers=4)
 
@@ -64,14 +64,22 @@ def test_search_ranks_what_fits_and_says_why_the_rest_did_not(tmp_path):
 @pytest.mark.parametrize("axes", [dict(dp=2, zero=1, microbatches=8), dict(dp=2, zero=3, micro_batch_size=2, microbatches=4),
                                   dict(pp=2, zero=1, microbatches=8), dict(dp=2, pp=2, zero=1, microbatches=12, ac="full"),
                                   dict(pp=2, virtual_stages=2, schedule="interleaved", zero=1, microbatches=12),
-                                  dict(dp=2, tp=2, sequence_parallel=True, zero=1, microbatches=6, ac="selective")])
+                                  dict(dp=2, tp=2, sequence_parallel=True, zero=1, microbatches=6, ac="selective"),
+                                  dict(dp=8, pp=4, zero=1, microbatches=8, micro_batch_size=4, vocab_size=512),
+                                  dict(dp=8, pp=4, virtual_stages=2, schedule="interleaved", zero=1, microbatches=16)])
 def test_an_estimate_from_shallow_plans_equals_the_full_plan(axes):
     """Blocks are identical and microbatches repeat: a layout's step and peak, extrapolated
-    from plans of 1 and 2 blocks per chunk (2 and 3 under ZeRO-3) and two microbatch counts,
-    are its full plan's (from 1 and 2 under ZeRO-3 the peak comes out 9% over)."""
-    cfg = preset("tiny", n_layers=8)
+    from plans of 1 and 2 blocks per chunk (2 and 3 under ZeRO-3), two microbatch counts
+    and, for a pipeline of 4 stages (each a node of 8 ranks away from the next), 2 and 3
+    stages, are its full plan's (from 1 and 2 blocks under ZeRO-3 the peak comes out 9% over).
+    With a vocabulary of 512 the last stage's head holds the largest peak at 2 and 3 stages,
+    the first stage's microbatches in flight at 4: the peak is extrapolated per stage."""
+    axes = dict(axes)
+    cfg = preset("tiny", n_layers=8, vocab_size=axes.pop("vocab_size", preset("tiny").vocab_size))
     run = RunConfig(model=cfg, layout=Layout(**{"micro_batch_size": 1, **axes}), dtype="bfloat16",
                     hardware="h100-sxm", progress=False)
+    ps, _, _ = points(run.layout, cfg.n_layers, 8)
+    assert (ps == (2, 3)) == (run.layout.pp == 4)
     e, p = estimate(run), plan(run)
     assert not e.exact and e.plans in (2, 4)
     assert e.step_s == pytest.approx(p.step_s, rel=1e-3)
