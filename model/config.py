@@ -24,6 +24,10 @@ class GPTConfig:
     renormalize_gates: bool = True  # the chosen k gates renormalised to sum to one
     aux_loss_coef: float = 0.01  # Switch's load-balancing loss α
     z_loss_coef: float = 0.001  # ST-MoE's router z-loss
+    # the attention kernel (model/gpt.py): "flash" (SDPA's fused kernel: the s×s scores stay on
+    # chip) or "unfused" (Megatron-LM's of Narayanan et al. 2021: the scores written to
+    # memory by a batched matmul, one fused scale-mask-softmax kernel, the probabilities kept)
+    attention: str = "flash"
 
     def __post_init__(self):
         if self.d_ff == 0:
@@ -35,6 +39,8 @@ class GPTConfig:
             raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
         if self.moe_every < 1 or self.capacity_factor < 0:
             raise ValueError(f"moe_every={self.moe_every} must be >= 1 and capacity_factor={self.capacity_factor} >= 0")
+        if self.attention not in ("flash", "unfused"):
+            raise ValueError(f"attention={self.attention!r}: choose 'flash' or 'unfused'")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if (self.d_model // self.n_heads) % 2:

@@ -117,13 +117,57 @@ def causal_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+class ScaledCausalSoftmax(torch.autograd.Function):
+    """softmax(scale · scores) over each query's past (the future masked out), as
+    Megatron-LM's fused scale-mask-softmax kernel for causal masks computes it (Narayanan et
+    al. 2021, section 4, computation optimizations: custom kernels fusing the scale, the
+    mask and the softmax, one of them with the causal mask implicit): forward one kernel reading the scores and writing the
+    probabilities, kept for backward; backward one kernel reading them and the output
+    gradient and writing the scores' gradient, scale · p · (g − Σ g·p). In float32 inside,
+    returned in the scores' dtype. The arithmetic runs op by op here, each pass priced as
+    one kernel."""
+
+    @staticmethod
+    def forward(ctx, scores, scale: float):
+        s = scores.shape[-1]
+        with _fused_kernel(2 * scores.nbytes, "_fused_scale_mask_softmax"):
+            h = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
+            future = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
+            p = torch.softmax(h.masked_fill(future, float("-inf")), dim=-1).to(scores.dtype)
+        ctx.save_for_backward(p)
+        ctx.scale = scale
+        return p
+
+    @staticmethod
+    def backward(ctx, g):
+        p, = ctx.saved_tensors
+        with _fused_kernel(3 * p.nbytes, "_fused_scale_mask_softmax_backward"):
+            pf, gf = p.to(torch.promote_types(p.dtype, torch.float32)), g.to(torch.promote_types(g.dtype, torch.float32))
+            d = ctx.scale * pf * (gf - (gf * pf).sum(-1, keepdim=True))
+        return d.to(p.dtype), None
+
+
+def unfused_attention(q, k, v):
+    """Causal attention as Megatron-LM ran it before FlashAttention (Narayanan et al. 2021):
+    the scores q·kᵀ of every (query, key) pair by a batched matmul, written to memory
+    (batch, heads, s, s); the fused scale-mask-softmax (`ScaledCausalSoftmax`); the
+    probabilities times v. Both matmuls compute the full s×s, the masked half included."""
+    k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+    p = ScaledCausalSoftmax.apply(q @ k.transpose(-2, -1), q.shape[-1] ** -0.5)
+    return p @ v
+
+
 class CausalAttention(nn.Module):
     """The attention itself, on (batch, heads, seq, head_dim) q, k, v of the whole
     sequence: a module without parameters, so that context parallelism can swap it for
     ring attention or Ulysses."""
 
+    def __init__(self, kernel: str = "flash"):
+        super().__init__()
+        self.kernel = kernel
+
     def forward(self, q, k, v):
-        return causal_attention(q, k, v)
+        return causal_attention(q, k, v) if self.kernel == "flash" else unfused_attention(q, k, v)
 
 
 class Attention(nn.Module):
@@ -134,7 +178,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(c.d_model, c.kv_dim, bias=False)
         self.wv = nn.Linear(c.d_model, c.kv_dim, bias=False)
         self.wo = nn.Linear(c.d_model, c.d_model, bias=False)
-        self.core = CausalAttention()
+        self.core = CausalAttention(c.attention)
 
     def forward(self, x, cos, sin):
         """cos, sin: the rotary tables of the positions of x's tokens (the first s rows). The

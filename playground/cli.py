@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     g = common.add_argument_group("model and layout")
     g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model preset")
     g.add_argument("--model-config", help="override the preset's shape: key=value,... over d_model, n_layers, n_heads, "
-                                          "n_kv_heads, d_ff, vocab_size, seq_len (and the MoE fields)")
+                                          "n_kv_heads, d_ff, vocab_size, seq_len, attention=flash|unfused (and the MoE fields)")
     g.add_argument("--world", type=int, help="number of ranks (default: the product of the axes; under torchrun "
                                              "its process count)")
     for axis, what in (("dp", "data-parallel"), ("tp", "tensor-parallel (Megatron)"), ("pp", "pipeline-parallel"),
@@ -102,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--compile", action="store_true",
                    help="torch.compile each block (backends torch and gloo; with --ac none or full)")
     t.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size in MiB")
+    t.add_argument("--no-grad-overlap", action="store_true",
+                   help="reduce the gradients after the backward instead of during it (DDP in one bucket; ZeRO-0/1 "
+                        "unit by unit after it), as Megatron-LM did in 2021")
     t.add_argument("--backend", default="sim", choices=["sim", "gloo", "torch"],
                    help="sim: ranks as threads of this process; gloo: local processes; torch: one rank of a "
                         "torchrun job (NCCL on GPUs)")
@@ -210,7 +213,8 @@ def _model_config(text) -> dict:
         key = key.strip()
         if key not in types or not value:
             raise ValueError(f"--model-config {item!r}: give key=value with a key among {sorted(types)}")
-        kind = {"int": int, "float": float, "bool": lambda v: v.lower() in ("1", "true", "yes")}[str(types[key])]
+        kind = {"int": int, "float": float, "str": str,
+                "bool": lambda v: v.lower() in ("1", "true", "yes")}[str(types[key])]
         try:
             out[key] = kind(value)
         except ValueError:
@@ -277,6 +281,7 @@ def run_config(args, default_steps: int, meta: bool = False):
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.model]
     run = RunConfig(model=cfg, layout=layout, steps=args.steps or default_steps, lr=lr, dtype=args.dtype,
                     reduce_dtype=args.reduce_dtype, seed=args.seed, data=args.data, bucket_cap_mb=args.bucket_mb,
+                    grad_overlap=not args.no_grad_overlap,
                     backend=args.backend, progress=not args.no_progress, hardware=args.hardware,
                     count_every_step=args.count_every_step, save=args.save, save_every=args.save_every,
                     resume=args.resume, init_from=args.init_from, compile=args.compile,

@@ -66,3 +66,21 @@ def test_config_rejects_bad_shapes():
         preset("tiny", d_model=30)
     with pytest.raises(ValueError, match="unknown model preset 'huge'"):
         preset("huge")
+
+
+@pytest.mark.parametrize("kv_heads", [0, 2])
+def test_unfused_attention_computes_what_the_flash_kernel_does(kv_heads):
+    """attention="unfused" (Megatron-LM's scores, fused scale-mask-softmax, probabilities
+    kept) gives the loss and every gradient of the default flash kernel, in float64."""
+    x = torch.randint(0, 64, (2, 33))
+    got = []
+    for kernel in ("flash", "unfused"):
+        model = GPT(preset("tiny", n_kv_heads=kv_heads, attention=kernel), seed=1, dtype=torch.float64)
+        loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        got.append((loss.detach(), [p.grad for p in model.parameters()]))
+    (la, ga), (lb, gb) = got
+    assert torch.allclose(la, lb, rtol=1e-12, atol=0)
+    assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-13) for a, b in zip(ga, gb))
+    with pytest.raises(ValueError, match="attention='paged'"):
+        preset("tiny", attention="paged")
