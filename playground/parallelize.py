@@ -355,7 +355,7 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_di
                                     lr=run.lr, betas=run.betas, weight_decay=run.weight_decay,
                                     compute_dtype=torch_dtype(run.dtype),
                                     reduce_dtype=torch_dtype(run.reduce_dtype) if run.reduce_dtype else None,
-                                    memory=memory, label=name)
+                                    memory=memory, label=name, overlap=run.grad_overlap)
         wrappers = []
         for s, part, mine in zip(stages, parts, experts):
             w = [zero_engine(part, dp, list(part.blocks.values()), mine, label(s, "zero"))]
@@ -368,15 +368,16 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_di
         autocast = contextlib.nullcontext()  # ZeRO computes in its compute copies' dtype
         hidden_dtype = torch_dtype(run.dtype) if run.dtype in ("bfloat16", "float16") else run.param_dtype
     else:
+        bucket_mb = run.bucket_cap_mb if run.grad_overlap else float("inf")  # one bucket: reduced after backward
         # a replica group of one rank has nothing to average: no wrapper, no buckets (the
         # experts' wrapper stays where it scales their gradients)
         wrappers = []
         for s, part, mine in zip(stages, parts, experts):
             dense = [p for p in part.parameters() if all(p is not q for q in mine)]
-            w = [DistributedDataParallel(part, dp, bucket_cap_mb=run.bucket_cap_mb, label=label(s, "ddp"), params=dense)
+            w = [DistributedDataParallel(part, dp, bucket_cap_mb=bucket_mb, label=label(s, "ddp"), params=dense)
                  ] if dp.size > 1 else []
             if mine and (edp_group.size > 1 or expert_scale != 1):
-                w.append(DistributedDataParallel(part, edp_group, bucket_cap_mb=run.bucket_cap_mb,
+                w.append(DistributedDataParallel(part, edp_group, bucket_cap_mb=bucket_mb,
                                                  label=label(s, "ddp.experts"), params=mine,
                                                  grad_scale=expert_scale))
             wrappers.append(w)

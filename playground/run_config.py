@@ -31,6 +31,9 @@ class RunConfig:
     seed: int = 0
     data: str | None = None  # None/"markov", or a path
     bucket_cap_mb: float = 25.0
+    # data parallelism reduces gradients during the backward, bucket by bucket (DDP) or unit
+    # by unit (ZeRO-0/1); False: after it (DDP in one bucket), as Megatron-LM's did in 2021
+    grad_overlap: bool = True
     backend: str = "sim"
     progress: bool = True
     # sim: ranks executing at once between blocking calls; None: twice the CPU count
@@ -56,6 +59,9 @@ class RunConfig:
             raise ValueError(f"reduce_dtype={self.reduce_dtype!r}: choose one of {sorted(DTYPES)}")
         if self.reduce_dtype is not None and not self.layout.zero and self.dtype != "float16":
             raise ValueError(f"--reduce-dtype {self.reduce_dtype} applies to ZeRO's gradient reductions: add --zero 1|2|3")
+        if not self.grad_overlap and self.layout.zero >= 2:
+            raise ValueError(f"--no-grad-overlap: ZeRO-{self.layout.zero} reduces each unit's gradient as its backward "
+                             f"ends; reducing after the backward needs --zero 0 or 1")
         if self.bf16_copies and self.dtype != "bfloat16":
             raise ValueError(f"--bf16-copies keeps bf16 compute copies: it needs --dtype bfloat16, not {self.dtype}")
         if self.dtype == "float16" and self.model.n_experts:

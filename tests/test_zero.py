@@ -211,3 +211,23 @@ def test_any_module_is_one_unit(stage):
     assert {pl.name for pl, _ in pieces} == set(full)
     for pl, t in pieces:
         torch.testing.assert_close(t, pl.local(full[pl.name].detach()), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_gradients_reduced_after_the_backward(stage):
+    """--no-grad-overlap (Megatron-LM's data parallelism of 2021): the same numbers as one
+    device (stage 0 here is DDP in one bucket, stage 1 ZeRO-1's units after the backward),
+    and in a plan (bf16: the ZeRO engine at stage 0 or 1) the reductions no longer hide
+    behind the backward: more exposed communication, a longer step."""
+    rep = check(_run(stage, 3, grad_overlap=False))
+    assert rep.passed, [r for r in rep.rows if not r.ok]
+    from playground.planning import plan
+    steps = {}
+    for overlap in (True, False):
+        run = RunConfig(model=preset("350m", n_layers=4), layout=Layout(dp=2, zero=stage, micro_batch_size=2),
+                        dtype="bfloat16", hardware="h100-sxm", progress=False, grad_overlap=overlap)
+        steps[overlap] = plan(run).values[0]["step"]
+    assert steps[False]["exposed_comm"] > 1.1 * steps[True]["exposed_comm"]  # (the head's is exposed in both)
+    assert steps[False]["time"] > steps[True]["time"]
+    with pytest.raises(ValueError, match="--no-grad-overlap: ZeRO-2"):
+        _run(2, 2, grad_overlap=False)

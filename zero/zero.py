@@ -34,6 +34,11 @@ Communication labels: `zero.grads.unit<i>` (all-reduce at stage 0, reduce-scatte
 otherwise), `zero.params.unit<i>` (the all-gather after the step, stages 1-2),
 `zero.gather.unit<i>` (stage 3's all-gathers), `zero.overflow` (fp16). Unit 0 is the root.
 
+`overlap=False` (stages 0-1): every unit's gradient is reduced after the backward, in
+the order the units finished, instead of as each is ready (Megatron-LM's data parallelism
+of Narayanan et al. 2021 all-reduced its gradient buffer after the pipeline's
+forward-backward; `RunConfig.grad_overlap`).
+
 Under `no_sync()` stages 0 and 1 accumulate gradients locally and reduce at the next
 backward outside it; stages 2 and 3 reduce every microbatch (their point is not to hold
 a full gradient), so gradient accumulation costs them one gradient reduction per
@@ -79,10 +84,15 @@ class ZeroDataParallel(nn.Module):
     def __init__(self, module: nn.Module, group, stage: int, units=(), exclude=(), grad_scale: float = 1.0,
                  lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, compute_dtype=None, reduce_dtype=None,
-                 loss_scaler: DynamicLossScaler | None = None, memory=None, label: str = "zero"):
+                 loss_scaler: DynamicLossScaler | None = None, memory=None, label: str = "zero",
+                 overlap: bool = True):
         super().__init__()
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+        if not overlap and stage >= 2:
+            raise ValueError(f"ZeRO stage {stage} reduces each unit's gradient as its backward ends (it does not "
+                             f"hold a full gradient): reducing after the backward needs stage 0 or 1")
+        self.overlap = overlap  # False: reduce every unit's gradient after the backward, not as each is ready
         self.module, self.group, self.stage, self.label = module, group, stage, label
         self.master_dtype = next(module.parameters()).dtype
         self.compute_dtype = compute_dtype or self.master_dtype
@@ -119,6 +129,7 @@ class ZeroDataParallel(nn.Module):
             u.reduce = None  # (work, buffer) of the gradient reduction in flight
         self.optimizer = adamw([u.master for u in self.units], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self._in_flight: list = []  # units whose gradient reduction is in flight, oldest first
+        self._deferred: list = []  # without overlap: units whose gradients wait for the end of backward
         self.ready = GradientReady(self.units, lambda u: u.params, on_ready=self._unit_ready,
                                    on_end=self._end_of_backward, on_grad=self._grad_arrived)
         if stage == 3:
@@ -215,6 +226,13 @@ class ZeroDataParallel(nn.Module):
             self._free(u)
         if not self._reducing():
             return
+        if not self.overlap:
+            self._deferred.append(u)
+            return
+        self._reduce(u)
+
+    def _reduce(self, u) -> None:
+        """Start the reduction of unit `u`'s gradient."""
         buf = u.grad_flat if self.reduce_dtype == self.compute_dtype else u.grad_flat.to(self.reduce_dtype)
         label = f"{self.label}.grads.{u.name}"
         if self.stage == 0:
@@ -242,6 +260,9 @@ class ZeroDataParallel(nn.Module):
         u.reduce = None
 
     def _end_of_backward(self) -> None:
+        for u in self._deferred:
+            self._reduce(u)
+        self._deferred = []
         for u in self._in_flight:
             self._finish_reduce(u)
         self._in_flight = []
