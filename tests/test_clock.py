@@ -366,3 +366,44 @@ def test_a_fused_attention_region_runs_at_the_attention_rate():
     got = launch(fn, 1, time_model=SimulatedTime(H100)).values[0]
     flops = 2 * 8 * 1024 * 1024 * 64
     assert got == pytest.approx(H100.kernel_floor + flops / (H100.peak_bf16_flops * H100.attention_fraction))
+
+
+def test_outputs_made_without_the_meta_kernel_are_the_kernels():
+    """Plans skip the meta kernels (torch's Python references) of common pointwise ops and
+    reductions: the outputs made instead have the kernel's shape, strides and dtype, and
+    every case outside the rule runs the kernel."""
+    from simulator.compute_model import _on_meta
+    aten = torch.ops.aten
+    made = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        def t(*shape, dt=dtype):
+            return torch.empty(shape, dtype=dt, device="meta")
+        cases = [(aten.add.Tensor, (t(2, 3, 4), t(2, 3, 4)), {}), (aten.add.Tensor, (t(2, 3, 4), t(4)), {"alpha": 2}),
+                 (aten.mul.Tensor, (t(2, 1, 4), t(3, 1)), {}), (aten.mul.Tensor, (t(5, 6), 0.5), {}),
+                 (aten.sub.Tensor, (t(2, 3, 1), t(2, 3, 4)), {}), (aten.div.Tensor, (t(7,), 3), {}),
+                 (aten.neg.default, (t(3, 2),), {}), (aten.rsqrt.default, (t(2, 5, 1),), {}),
+                 (aten.silu.default, (t(4, 8),), {}), (aten.sigmoid.default, (t(4, 8),), {}),
+                 (aten.exp.default, (t(3,),), {}), (aten.pow.Tensor_Scalar, (t(2, 9), 2), {}),
+                 (aten.silu_backward.default, (t(4, 8), t(4, 8)), {}),
+                 (aten.sigmoid_backward.default, (t(4, 8), t(4, 8)), {}),
+                 (aten.roll.default, (t(2, 3, 8), [4], [-1]), {}),
+                 (aten.mean.dim, (t(2, 3, 8), [-1], True), {}), (aten.mean.dim, (t(2, 3, 8), [0, 2]), {}),
+                 (aten.sum.dim_IntList, (t(2, 3, 8), [1]), {}), (aten.sum.dim_IntList, (t(2, 3, 8), [-3, -1], True), {}),
+                 # outside the rule: the kernel runs
+                 (aten.add.Tensor, (t(2, 3), t(2, 3, dt=torch.float64)), {}), (aten.mul.Tensor, (t(2, 3), t()), {}),
+                 (aten.mul.Tensor, (t(3, 2).t(), t(2, 3)), {}), (aten.mul.Tensor, (t(2, 3), True), {}),
+                 (aten.add.Tensor, (t(2, 3, dt=torch.int64), 1), {}), (aten.sum.dim_IntList, (t(2, 3), []), {}),
+                 (aten.sum.dim_IntList, (t(2, 3), [0]), {"dtype": torch.float64}),
+                 (aten.add.Tensor, (t(2, 3), torch.empty(2, 3)), {})]
+        for func, args, kwargs in cases:
+            got = _on_meta(func, args, kwargs)
+            try:
+                want = func(*args, **kwargs)
+            except RuntimeError:  # (a meta and a CPU tensor: the kernel's error stays)
+                assert got is None
+                continue
+            if got is not None:
+                made += 1
+                assert (got.shape, got.stride(), got.dtype, got.device) == (want.shape, want.stride(), want.dtype,
+                                                                             want.device), (func, args)
+    assert made == 2 * 19
