@@ -9,6 +9,7 @@ every strategy maps its shards to (`blocks.3.attn.wq.weight`).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -41,13 +42,17 @@ def rms_norm(x, weight, eps: float):
     return FusedRMSNorm.apply(x, weight, eps)
 
 
+@contextlib.contextmanager
 def _fused_kernel(io_bytes: int, name: str):
-    """The ops inside as one kernel moving io_bytes, for the simulator's compute model when
-    one is counting (a dispatch mode with `fused`: simulator/compute_model.py); else nothing."""
-    for mode in reversed(_get_current_dispatch_mode_stack()):
-        if hasattr(mode, "fused"):
-            return mode.fused(io_bytes, name)
-    return contextlib.nullcontext()
+    """The ops inside as one kernel moving io_bytes, for the simulator's dispatch modes when
+    they are on (each mode with `fused`: the compute model prices the region as one kernel,
+    simulator/compute_model.py; the memory tracker counts only what the region leaves,
+    simulator/memory.py); else nothing."""
+    with contextlib.ExitStack() as stack:
+        for mode in reversed(_get_current_dispatch_mode_stack()):
+            if hasattr(mode, "fused"):
+                stack.enter_context(mode.fused(io_bytes, name))
+        yield
 
 
 class FusedRMSNorm(torch.autograd.Function):
@@ -117,23 +122,44 @@ def causal_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def _causal_softmax(scores, scale: float):
+    """softmax(scale · scores) with each query's future masked out, in at least float32,
+    returned in the scores' dtype."""
+    s = scores.shape[-1]
+    i = torch.arange(s, device=scores.device)
+    h = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
+    return torch.softmax(h.masked_fill(i[None, :] > i[:, None], float("-inf")), dim=-1).to(scores.dtype)
+
+
+def _causal_softmax_backward(p, g, scale: float):
+    """The scores' gradient of `_causal_softmax`: scale · p · (g − Σ g·p)."""
+    wide = torch.promote_types(p.dtype, torch.float32)
+    pf, gf = p.to(wide), g.to(wide)
+    return (scale * pf * (gf - (gf * pf).sum(-1, keepdim=True))).to(p.dtype)
+
+
+@functools.cache
+def _compiled(fn):
+    """`fn` through torch.compile (on CUDA: Inductor fuses its passes into one kernel),
+    made once per function, on first use."""
+    return torch.compile(fn, dynamic=False)
+
+
 class ScaledCausalSoftmax(torch.autograd.Function):
     """softmax(scale · scores) over each query's past (the future masked out), as
     Megatron-LM's fused scale-mask-softmax kernel for causal masks computes it (Narayanan et
     al. 2021, section 4, computation optimizations: custom kernels fusing the scale, the
-    mask and the softmax, one of them with the causal mask implicit): forward one kernel reading the scores and writing the
-    probabilities, kept for backward; backward one kernel reading them and the output
-    gradient and writing the scores' gradient, scale · p · (g − Σ g·p). In float32 inside,
-    returned in the scores' dtype. The arithmetic runs op by op here, each pass priced as
-    one kernel."""
+    mask and the softmax, one of them with the causal mask implicit): forward one kernel
+    reading the scores and writing the probabilities, kept for backward; backward one
+    kernel reading them and the output gradient and writing the scores' gradient. In
+    float32 inside, returned in the scores' dtype. On CUDA each way is compiled (one fused
+    kernel, as theirs); elsewhere the arithmetic runs op by op, each way priced as one
+    kernel."""
 
     @staticmethod
     def forward(ctx, scores, scale: float):
-        s = scores.shape[-1]
         with _fused_kernel(2 * scores.nbytes, "_fused_scale_mask_softmax"):
-            h = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
-            future = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
-            p = torch.softmax(h.masked_fill(future, float("-inf")), dim=-1).to(scores.dtype)
+            p = (_compiled(_causal_softmax) if scores.is_cuda else _causal_softmax)(scores, scale)
         ctx.save_for_backward(p)
         ctx.scale = scale
         return p
@@ -142,9 +168,8 @@ class ScaledCausalSoftmax(torch.autograd.Function):
     def backward(ctx, g):
         p, = ctx.saved_tensors
         with _fused_kernel(3 * p.nbytes, "_fused_scale_mask_softmax_backward"):
-            pf, gf = p.to(torch.promote_types(p.dtype, torch.float32)), g.to(torch.promote_types(g.dtype, torch.float32))
-            d = ctx.scale * pf * (gf - (gf * pf).sum(-1, keepdim=True))
-        return d.to(p.dtype), None
+            d = (_compiled(_causal_softmax_backward) if p.is_cuda else _causal_softmax_backward)(p, g, ctx.scale)
+        return d, None
 
 
 def unfused_attention(q, k, v):

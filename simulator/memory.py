@@ -168,11 +168,15 @@ class MemoryTracker:
 
 class _BackwardTemporaries(TorchDispatchMode):
     """During backward (an autograd node running, gradients off: not a recomputation), every
-    op's output on a storage none of its inputs has is a temporary of the tracker's."""
+    op's output on a storage none of its inputs has is a temporary of the tracker's. Inside
+    a fused region (`fused`: ops a GPU runs as one kernel) the intermediate tensors never
+    exist on the GPU: only what the region made and still holds at its end (its outputs)
+    counts, from then on."""
 
     def __init__(self, tracker: MemoryTracker):
         super().__init__()
         self.tracker = tracker
+        self._made = None  # inside a fused region: weak references to what its ops made
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -181,5 +185,27 @@ class _BackwardTemporaries(TorchDispatchMode):
         inputs = {storage_id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in (out,) if isinstance(out, torch.Tensor) else tree_leaves(out):
             if isinstance(t, torch.Tensor) and storage_id(t) not in inputs:
-                self.tracker.temporary(t)
+                if self._made is None:
+                    self.tracker.temporary(t)
+                else:
+                    self._made.append(weakref.ref(t))
         return out
+
+    @contextlib.contextmanager
+    def fused(self, io_bytes: int = 0, name: str = "fused", **_):
+        """The ops inside as one kernel (model.gpt's fused regions; the compute model prices
+        them): their outputs alive at the end count as temporaries, the rest never existed."""
+        if self._made is not None:  # nested: part of the outer region
+            yield self
+            return
+        self._made = []
+        try:
+            yield self
+        finally:
+            made, self._made = self._made, None
+            seen = set()
+            for ref in made:
+                t = ref()
+                if t is not None and storage_id(t) not in seen:
+                    seen.add(storage_id(t))
+                    self.tracker.temporary(t)

@@ -76,3 +76,21 @@ def test_backward_temporaries_are_counted():
     assert tracker.peak_temporaries == 2 * 8 * x.numel() and tracker.temporaries == 0
     # at that moment log_softmax's saved output (float64) is still held
     assert tracker.peak_transient == tracker.peak_temporaries + 8 * x.numel()
+
+
+def test_a_fused_region_leaves_only_its_outputs_as_temporaries():
+    """Inside a fused region (ops a GPU runs as one kernel: here the backward of Megatron's
+    scale-mask-softmax, whose arithmetic runs op by op in float32 on the CPU) the
+    intermediate tensors never exist on a GPU: backward's temporaries are the region's
+    output alone, the bf16 gradient of the scores (the float32 intermediates are four
+    times its size each)."""
+    from model.gpt import ScaledCausalSoftmax
+    from simulator.compute_model import ComputeModel
+    from simulator.clock import RankClock
+    from simulator.hardware import load_hardware
+    tracker = MemoryTracker()
+    scores = torch.randn(2, 4, 16, 16, dtype=torch.bfloat16, requires_grad=True)
+    with ComputeModel(load_hardware("h100-sxm"), RankClock()), tracker.track_activations():
+        p = ScaledCausalSoftmax.apply(scores, 0.25)
+        p.backward(torch.randn_like(p))
+    assert tracker.peak_temporaries == scores.numel() * 2 and tracker.temporaries == 0
