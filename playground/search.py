@@ -38,10 +38,11 @@ k = 2 under ZeRO-3 (with one block it has no next layer to prefetch). So a layou
 planned at k ∈ {k0, k0 + 1} blocks per chunk, at two microbatch counts from m0 (the next
 the schedule allows: m0 + 1, interleaved m0 + p) and, for a pipeline deeper than 3, at 2
 and 3 stages, on the same shapes otherwise (`points`), and its step is the multilinear
-extrapolation of those plans to its own k, m and p. So is its peak, except that across
-depths the first and the last stage are extrapolated apart and the larger taken (at 2
-stages the head may hold the peak, at 16 the first stage's microbatches; the middle
-stages hold fewer microbatches than the first and no head). The product terms carry the
+extrapolation of those plans to its own k, m and p. So is each pipeline stage's peak,
+apart, and the largest is taken: the stage holding the overall peak may change between
+the planned points (the head's stage at 2 stages or few blocks, the first stage's
+microbatches at 16 or many), and across depths the first and the last stage are
+extrapolated (the middle stages hold fewer microbatches than the first and no head). The product terms carry the
 compute, which grows with k·m, and the bubble, with k·p. On the tiny preset
 (tests/test_search.py) the estimates equal the full plans' step and peak to 0.1%; on the
 70b shapes, 32 layers, tp 8 × dp 8 × pp 16 (1F1B, 32 microbatches) and tp 8 × dp 16 ×
@@ -166,7 +167,7 @@ def estimate(run) -> Estimate:
     ps, ks, ms = points(layout, cfg.n_layers, load_hardware(run.hardware).gpus_per_node)
     if ks == (k,) and ms == (m,) and ps == (layout.pp,):  # small enough to plan as it is
         return Estimate.planned(plan(run), 1)
-    step = peak = first = last = 0.0
+    step, peaks = 0.0, None  # peaks: per pipeline stage (its largest over the stage's ranks)
     for pp, wp in zip(ps, _weights(ps, layout.pp)):
         for kk, wk in zip(ks, _weights(ks, k)):
             for mm, wm in zip(ms, _weights(ms, m)):
@@ -174,12 +175,20 @@ def estimate(run) -> Estimate:
                                  layout=replace(layout, pp=pp, microbatches=mm)))
                 w = wp * wk * wm
                 step += w * p.step_s
-                peak += w * p.peak
-                first += w * p.values[0]["memory"]["peak_total"]
-                last += w * p.values[-1]["memory"]["peak_total"]
-    if len(ps) > 1:  # the peak is the first stage's (the most microbatches in flight) or the last's (the head)
-        peak = max(first, last)
-    return Estimate(layout, step, peak, len(ps) * len(ks) * len(ms))
+                stages = _stage_peaks(p, pp)
+                if len(ps) > 1:  # across depths: the first stage and the last
+                    stages = [stages[0], stages[-1]]
+                peaks = [w * x + (peaks[i] if peaks else 0.0) for i, x in enumerate(stages)]
+    return Estimate(layout, step, max(peaks), len(ps) * len(ks) * len(ms))
+
+
+def _stage_peaks(p, pp: int) -> list:
+    """The largest peak of each pipeline stage's ranks in plan `p` (pipeline outermost in
+    the rank order). Each is affine in k and m by itself, while the rank holding the overall
+    peak may change between the planned points (the head's stage at one depth, the first
+    stage's microbatches at another), so they are extrapolated apart and the largest taken."""
+    inner = len(p.values) // pp
+    return [max(v["memory"]["peak_total"] for v in p.values[s * inner:(s + 1) * inner]) for s in range(pp)]
 
 
 @dataclass
