@@ -3,7 +3,8 @@
 # (default: all): `calibrate` (playground calibrate: the profile $LOGS/h200.json), `350m`
 # and `1b` (each layout trained 10 steps in bf16 under torchrun with --json; layouts without
 # ZeRO with --bf16-copies, the mixed precision a plan prices), or `350m:tp2,cp2` for some
-# of them, `moe` (1b-moe, ep 2), `check` (the NCCL collectives against the simulator, and
+# of them, `moe` (1b-moe, ep 2), `unfused` (one GPU: 1b and 350m with attention=unfused
+# beside the flash kernel), `check` (the NCCL collectives against the simulator, and
 # `playground check` of tp 2 + SP and pp 2). Logs and JSON in $LOGS, packed into
 # $OUT/gpu_logs.tgz.
 set -uo pipefail
@@ -40,6 +41,13 @@ for s in "${@:-calibrate 350m 1b moe}"; do for t in $s; do
                tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" . ;;
     350m) layouts 350m 8 ;;
     1b) layouts 1b 4 ;;
+    unfused) for m in 1b:4 350m:8; do  # attention="unfused" (Megatron-LM's of 2021) beside the flash kernel
+               command_run "${m%:*}_single" 1 200 train --dtype bfloat16 --steps 10 --model "${m%:*}" --bf16-copies \
+                 --micro-batch-size "${m#*:}" --json "$LOGS/${m%:*}_single.json"
+               command_run "${m%:*}-unfused_single" 1 200 train --dtype bfloat16 --steps 10 --model "${m%:*}" \
+                 --model-config attention=unfused --bf16-copies --micro-batch-size "${m#*:}" \
+                 --json "$LOGS/${m%:*}-unfused_single.json"
+             done ;;
     moe) command_run 1b-moe_ep2 2 200 train --dtype bfloat16 --steps 10 --model 1b-moe --bf16-copies --ep 2 --dp 2 \
            --micro-batch-size 4 --json "$LOGS/1b-moe_ep2.json" ;;
     *) echo "unknown set $t"; exit 2 ;;
