@@ -20,8 +20,8 @@
    written to memory and a fused scale-mask-softmax (section 4: `attention="unfused"`), and
    data parallelism that all-reduces the gradient buffer after the pipeline's
    forward-backward (Megatron-LM's local DDP in `train_step`: `--no-grad-overlap`); with
-   flash attention and overlapped reductions the 1.7B row came out at +53.9%, +21.0%
-   unfused, +19.4% with both. The planned TFLOP/s per GPU counts FLOPs as the paper
+   flash attention and overlapped reductions the 1.7B row came out at +53.9%, +26.5%
+   unfused, +24.7% with both. The planned TFLOP/s per GPU counts FLOPs as the paper
    does (its equation 3: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) per iteration, the
    recomputation's forward included) over the planned step. The plan is not calibrated to
    A100 kernels: its roofline takes 80% of peak for matmuls.
