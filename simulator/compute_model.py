@@ -39,15 +39,20 @@ import contextlib
 import torch
 from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode,
                                           _get_current_dispatch_mode_stack, _pop_mode_temporarily)
-from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
 from .clock import RankClock
 from .hardware import Hardware
 
 
-def _shape(x):
-    return x.shape if isinstance(x, torch.Tensor) else x
+def _shapes(x):
+    """x with every tensor in it (at any depth of lists and tuples) replaced by its shape:
+    what torch's FLOP formulas take."""
+    if isinstance(x, torch.Tensor):
+        return x.shape
+    if isinstance(x, (list, tuple)):
+        return type(x)(_shapes(y) for y in x)
+    return x
 
 
 def _nbytes(values) -> int:
@@ -144,7 +149,8 @@ def _on_meta(func, args, kwargs):
     if dtype not in _FLOATS:
         return None
     if not reduction:
-        return torch.empty(torch.broadcast_shapes(*shapes), dtype=dtype, device="meta")
+        same = all(sh == shapes[0] for sh in shapes)  # (the common case, without broadcasting's reference)
+        return torch.empty(shapes[0] if same else torch.broadcast_shapes(*shapes), dtype=dtype, device="meta")
     dims, keepdim = args[1], (args[2] if len(args) > 2 else False)
     if not dims or len(args) > 3:
         return None
@@ -200,7 +206,7 @@ class ComputeModel(TorchDispatchMode):
         nbytes = _nbytes(args) + _nbytes(kwargs.values()) + _nbytes(out if isinstance(out, (list, tuple)) else (out,))
         seconds = 0.0
         if formula is not None:
-            flops = formula(*tree_map(_shape, args), **tree_map(_shape, kwargs), out_val=tree_map(_shape, out))
+            flops = formula(*_shapes(args), **{k: _shapes(x) for k, x in kwargs.items()}, out_val=_shapes(out))
             self.flops += flops
             attention = self._fused is not None and self._fused[1]
             seconds = flops / (self.attention_rate if attention else self._rate(func, args))
