@@ -26,7 +26,6 @@ import weakref
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 
 def storage_id(t: torch.Tensor) -> int:
@@ -166,6 +165,15 @@ class MemoryTracker:
         return out
 
 
+def _tensors(x):
+    """The tensors in x, at any depth of lists and tuples (an op's arguments or outputs)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+
+
 class _BackwardTemporaries(TorchDispatchMode):
     """During backward (an autograd node running, gradients off: not a recomputation), every
     op's output on a storage none of its inputs has is a temporary of the tracker's. Inside
@@ -182,8 +190,8 @@ class _BackwardTemporaries(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if torch.is_grad_enabled() or func.is_view or torch._C._current_autograd_node() is None:
             return out
-        inputs = {storage_id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in (out,) if isinstance(out, torch.Tensor) else tree_leaves(out):
+        inputs = {storage_id(t) for t in _tensors((args, tuple((kwargs or {}).values())))}
+        for t in _tensors(out):
             if isinstance(t, torch.Tensor) and storage_id(t) not in inputs:
                 if self._made is None:
                     self.tracker.temporary(t)
