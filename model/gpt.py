@@ -140,9 +140,14 @@ def _causal_softmax_backward(p, g, scale: float):
 
 @functools.cache
 def _compiled(fn):
-    """`fn` through torch.compile (on CUDA: Inductor fuses its passes into one kernel),
-    made once per function, on first use."""
+    """`fn` through torch.compile (Inductor fuses its passes into one kernel), made once per
+    function, on first use."""
     return torch.compile(fn, dynamic=False)
+
+
+def _fused_on(fn, t):
+    """`fn` as it runs on `t`'s device: compiled on CUDA, op by op elsewhere."""
+    return _compiled(fn) if t.is_cuda else fn
 
 
 class ScaledCausalSoftmax(torch.autograd.Function):
@@ -159,7 +164,7 @@ class ScaledCausalSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, scale: float):
         with _fused_kernel(2 * scores.nbytes, "_fused_scale_mask_softmax"):
-            p = (_compiled(_causal_softmax) if scores.is_cuda else _causal_softmax)(scores, scale)
+            p = _fused_on(_causal_softmax, scores)(scores, scale)
         ctx.save_for_backward(p)
         ctx.scale = scale
         return p
@@ -168,7 +173,7 @@ class ScaledCausalSoftmax(torch.autograd.Function):
     def backward(ctx, g):
         p, = ctx.saved_tensors
         with _fused_kernel(3 * p.nbytes, "_fused_scale_mask_softmax_backward"):
-            d = (_compiled(_causal_softmax_backward) if p.is_cuda else _causal_softmax_backward)(p, g, ctx.scale)
+            d = _fused_on(_causal_softmax_backward, p)(p, g, ctx.scale)
         return d, None
 
 

@@ -167,7 +167,8 @@ def estimate(run) -> Estimate:
     ps, ks, ms = points(layout, cfg.n_layers, load_hardware(run.hardware).gpus_per_node)
     if ks == (k,) and ms == (m,) and ps == (layout.pp,):  # small enough to plan as it is
         return Estimate.planned(plan(run), 1)
-    step, peaks = 0.0, None  # peaks: per pipeline stage (its largest over the stage's ranks)
+    # per pipeline stage, its largest peak over the stage's ranks (across depths: the first and the last)
+    step, peaks = 0.0, [0.0] * (2 if len(ps) > 1 else layout.pp)
     for pp, wp in zip(ps, _weights(ps, layout.pp)):
         for kk, wk in zip(ks, _weights(ks, k)):
             for mm, wm in zip(ms, _weights(ms, m)):
@@ -176,9 +177,9 @@ def estimate(run) -> Estimate:
                 w = wp * wk * wm
                 step += w * p.step_s
                 stages = _stage_peaks(p, pp)
-                if len(ps) > 1:  # across depths: the first stage and the last
+                if len(ps) > 1:
                     stages = [stages[0], stages[-1]]
-                peaks = [w * x + (peaks[i] if peaks else 0.0) for i, x in enumerate(stages)]
+                peaks = [a + w * x for a, x in zip(peaks, stages)]
     return Estimate(layout, step, max(peaks), len(ps) * len(ks) * len(ms))
 
 

@@ -192,7 +192,7 @@ class _BackwardTemporaries(TorchDispatchMode):
             return out
         inputs = {storage_id(t) for t in _tensors((args, tuple((kwargs or {}).values())))}
         for t in _tensors(out):
-            if isinstance(t, torch.Tensor) and storage_id(t) not in inputs:
+            if storage_id(t) not in inputs:
                 if self._made is None:
                     self.tracker.temporary(t)
                 else:
