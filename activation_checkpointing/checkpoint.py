@@ -36,6 +36,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
+from model.dropout import generators
+
 from . import MODES
 from .policy import SelectivePolicy
 
@@ -62,17 +64,19 @@ class _Region:
     """One checkpointed call of a block: the function torch.utils.checkpoint runs, once in
     forward and again (recomputation) in backward."""
 
-    def __init__(self, body, modules, policy, memory):
+    def __init__(self, body, modules, policy, memory, generators):
         self.body, self.modules, self.policy, self.memory = body, modules, policy, memory
         self.ran = False
         self.kept = []  # memory handles of the outputs the selective policy keeps
+        # the dropout generators' states at the forward, for recomputation to draw the same masks
+        self.rng = [(g, g.get_state()) for g in generators]
 
     def __call__(self, *args):
         if not self.ran:
             self.ran = True
             return self.body(*args)
         self.kept.clear()  # recomputation takes the kept outputs back
-        with _recomputing(self.modules):
+        with _recomputing(self.modules), _replaying(self.rng):
             return self.body(*args)
 
     def contexts(self):
@@ -90,6 +94,19 @@ def _both(first, second):
 
 
 @contextlib.contextmanager
+def _replaying(rng):
+    """Each generator set to its state at the forward, and back to where it is now after."""
+    now = [g.get_state() for g, _ in rng]
+    for g, state in rng:
+        g.set_state(state)
+    try:
+        yield
+    finally:
+        for (g, _), state in zip(rng, now):
+            g.set_state(state)
+
+
+@contextlib.contextmanager
 def _recomputing(modules):
     for m in modules:
         m.recomputing = True
@@ -102,8 +119,9 @@ def _recomputing(modules):
 
 class Recompute:
     """`block.recompute`: runs the block's body(x, cos, sin) under torch.utils.checkpoint.
-    Without gradients (evaluation) the body runs plainly. RNG state is not saved: the
-    model has no random ops (no dropout), so recomputation is exact without it."""
+    Without gradients (evaluation) the body runs plainly. Random state: torch's global
+    generators are not saved (the model draws from none of them); the block's dropout
+    generators (model/dropout.py) are, and recomputation replays the forward's masks."""
 
     def __init__(self, mode: str, block, memory=None):
         if mode not in ("full", "selective"):
@@ -116,7 +134,7 @@ class Recompute:
             return body(*args)
         # (looked up per call: data parallelism, applied after this transform, marks its units)
         modules = [m for m in self.block.modules() if hasattr(m, "recomputing")]
-        region = _Region(body, modules, self.policy, self.memory)
+        region = _Region(body, modules, self.policy, self.memory, generators(self.block))
         context_fn = region.contexts if self.policy is not None else noop_context_fn
         return checkpoint(region, *args, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn)
 

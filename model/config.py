@@ -28,6 +28,9 @@ class GPTConfig:
     # chip) or "unfused" (Megatron-LM's of Narayanan et al. 2021: the scores written to
     # memory by a batched matmul, one fused scale-mask-softmax kernel, the probabilities kept)
     attention: str = "flash"
+    # dropout on the attention probabilities (model/dropout.py; Megatron-LM's --attention-dropout,
+    # 0.1 by default there): unfused attention only, the flash kernel keeps no probabilities
+    attention_dropout: float = 0.0
 
     def __post_init__(self):
         if self.d_ff == 0:
@@ -41,6 +44,11 @@ class GPTConfig:
             raise ValueError(f"moe_every={self.moe_every} must be >= 1 and capacity_factor={self.capacity_factor} >= 0")
         if self.attention not in ("flash", "unfused"):
             raise ValueError(f"attention={self.attention!r}: choose 'flash' or 'unfused'")
+        if not 0.0 <= self.attention_dropout < 1.0:
+            raise ValueError(f"attention_dropout={self.attention_dropout} must be in [0, 1)")
+        if self.attention_dropout and self.attention != "unfused":
+            raise ValueError(f"attention_dropout={self.attention_dropout} needs attention='unfused' (it drops the "
+                             f"probabilities the unfused attention writes; attention={self.attention!r} keeps none)")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if (self.d_model // self.n_heads) % 2:

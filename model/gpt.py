@@ -8,15 +8,15 @@ every strategy maps its shards to (`blocks.3.attn.wq.weight`).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .config import GPTConfig
+from .dropout import dropout, dropout_generator, seed_dropout
+from .fused import fused_kernel
 from .init import init_weights
 from .moe import MoE
 
@@ -42,19 +42,6 @@ def rms_norm(x, weight, eps: float):
     return FusedRMSNorm.apply(x, weight, eps)
 
 
-@contextlib.contextmanager
-def _fused_kernel(io_bytes: int, name: str):
-    """The ops inside as one kernel moving io_bytes, for the simulator's dispatch modes when
-    they are on (each mode with `fused`: the compute model prices the region as one kernel,
-    simulator/compute_model.py; the memory tracker counts only what the region leaves,
-    simulator/memory.py); else nothing."""
-    with contextlib.ExitStack() as stack:
-        for mode in reversed(_get_current_dispatch_mode_stack()):
-            if hasattr(mode, "fused"):
-                stack.enter_context(mode.fused(io_bytes, name))
-        yield
-
-
 class FusedRMSNorm(torch.autograd.Function):
     """RMSNorm as torch's fused CUDA kernels compute and keep it: forward reads x and the
     weight and writes y, keeping x and the float32 reciprocal rms r for backward; backward
@@ -64,7 +51,7 @@ class FusedRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
         h = x.to(torch.promote_types(x.dtype, torch.float32))
-        with _fused_kernel(2 * x.nbytes + weight.nbytes + h[..., :1].nbytes, "_fused_rms_norm"):
+        with fused_kernel(2 * x.nbytes + weight.nbytes + h[..., :1].nbytes, "_fused_rms_norm"):
             r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
             y = (h * r * weight.to(h.dtype)).to(x.dtype)
         ctx.save_for_backward(x, weight, r)
@@ -74,13 +61,13 @@ class FusedRMSNorm(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, r = ctx.saved_tensors
         dw = None
-        with _fused_kernel(3 * x.nbytes + weight.nbytes + r.nbytes, "_fused_rms_norm_backward"):
+        with fused_kernel(3 * x.nbytes + weight.nbytes + r.nbytes, "_fused_rms_norm_backward"):
             h = x.to(r.dtype)
             n, g = h * r, dy.to(r.dtype)
             dn = g * weight.to(r.dtype)
             dx = (r * (dn - n * (dn * n).mean(-1, keepdim=True))).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            with _fused_kernel(2 * x.nbytes + r.nbytes + weight.nbytes, "_fused_rms_norm_backward"):
+            with fused_kernel(2 * x.nbytes + r.nbytes + weight.nbytes, "_fused_rms_norm_backward"):
                 dw = (g * n).flatten(0, -2).sum(0).to(weight.dtype)
         return dx, dw, None
 
@@ -163,7 +150,7 @@ class ScaledCausalSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores, scale: float):
-        with _fused_kernel(2 * scores.nbytes, "_fused_scale_mask_softmax"):
+        with fused_kernel(2 * scores.nbytes, "_fused_scale_mask_softmax"):
             p = _fused_on(_causal_softmax, scores)(scores, scale)
         ctx.save_for_backward(p)
         ctx.scale = scale
@@ -172,32 +159,37 @@ class ScaledCausalSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         p, = ctx.saved_tensors
-        with _fused_kernel(3 * p.nbytes, "_fused_scale_mask_softmax_backward"):
+        with fused_kernel(3 * p.nbytes, "_fused_scale_mask_softmax_backward"):
             d = _fused_on(_causal_softmax_backward, p)(p, g, ctx.scale)
         return d, None
 
 
-def unfused_attention(q, k, v):
+def unfused_attention(q, k, v, dropout_rate: float = 0.0, generator=None, training: bool = True):
     """Causal attention as Megatron-LM ran it before FlashAttention (Narayanan et al. 2021):
     the scores q·kᵀ of every (query, key) pair by a batched matmul, written to memory
-    (batch, heads, s, s); the fused scale-mask-softmax (`ScaledCausalSoftmax`); the
+    (batch, heads, s, s); the fused scale-mask-softmax (`ScaledCausalSoftmax`); dropout on
+    the probabilities (model/dropout.py: its own kernel, `--attention-dropout` there); the
     probabilities times v. Both matmuls compute the full s×s, the masked half included."""
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     p = ScaledCausalSoftmax.apply(q @ k.transpose(-2, -1), q.shape[-1] ** -0.5)
-    return p @ v
+    return dropout(p, dropout_rate, generator, training) @ v
 
 
 class CausalAttention(nn.Module):
     """The attention itself, on (batch, heads, seq, head_dim) q, k, v of the whole
     sequence: a module without parameters, so that context parallelism can swap it for
-    ring attention or Ulysses."""
+    ring attention or Ulysses. With attention dropout (unfused attention only), the
+    generator its masks come from (model/dropout.py; set when the model gets storage)."""
 
-    def __init__(self, kernel: str = "flash"):
+    def __init__(self, kernel: str = "flash", dropout_rate: float = 0.0):
         super().__init__()
-        self.kernel = kernel
+        self.kernel, self.dropout_rate = kernel, dropout_rate
+        self.generator = None
 
     def forward(self, q, k, v):
-        return causal_attention(q, k, v) if self.kernel == "flash" else unfused_attention(q, k, v)
+        if self.kernel == "flash":
+            return causal_attention(q, k, v)
+        return unfused_attention(q, k, v, self.dropout_rate, self.generator, self.training)
 
 
 class Attention(nn.Module):
@@ -208,7 +200,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(c.d_model, c.kv_dim, bias=False)
         self.wv = nn.Linear(c.d_model, c.kv_dim, bias=False)
         self.wo = nn.Linear(c.d_model, c.d_model, bias=False)
-        self.core = CausalAttention(c.attention)
+        self.core = CausalAttention(c.attention, c.attention_dropout)
 
     def forward(self, x, cos, sin):
         """cos, sin: the rotary tables of the positions of x's tokens (the first s rows). The
@@ -300,10 +292,11 @@ class GPT(nn.Module):
         """The MoE layers this model (or stage) holds."""
         return [b.mlp for b in self.blocks.values() if isinstance(b.mlp, MoE)]
 
-    def materialize(self, device, seed: int = 0, state_dict: dict | None = None) -> "GPT":
+    def materialize(self, device, seed: int = 0, state_dict: dict | None = None, rank: int = 0) -> "GPT":
         """Give every parameter storage on `device` and its value: the part its placement
         names of the full reference parameter generated from (seed, name) (Contract 4), so
-        any layout's shards are exact slices of the same tensors. Also the RoPE tables.
+        any layout's shards are exact slices of the same tensors. Also the RoPE tables, and
+        with attention dropout each attention's generator, seeded from (seed, rank, layer).
         Moving off the meta device makes new Parameter objects: their placements are carried
         over, hooks on the old ones would be lost (transforms hook modules, not tensors)."""
         placements = {n: p.placement for n, p in self.named_parameters() if hasattr(p, "placement")}
@@ -315,6 +308,11 @@ class GPT(nn.Module):
             init_weights(self, self.config, seed, state_dict)
         dtype = next((p.dtype for p in self.parameters()), torch.float32)
         c = self.config
+        if c.attention_dropout:
+            for block in self.blocks.values():
+                if isinstance(block.attn.core, CausalAttention):
+                    block.attn.core.generator = dropout_generator(device)
+            seed_dropout(self, seed, rank)
         self.rope_cos, self.rope_sin = rope_tables(c.seq_len, c.head_dim, c.rope_base, dtype, device)
         return self
 

@@ -49,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     g = common.add_argument_group("model and layout")
     g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model preset")
     g.add_argument("--model-config", help="override the preset's shape: key=value,... over d_model, n_layers, n_heads, "
-                                          "n_kv_heads, d_ff, vocab_size, seq_len, attention=flash|unfused (and the MoE fields)")
+                                          "n_kv_heads, d_ff, vocab_size, seq_len, attention=flash|unfused, "
+                                          "attention_dropout (unfused only), and the MoE fields")
     g.add_argument("--world", type=int, help="number of ranks (default: the product of the axes; under torchrun "
                                              "its process count)")
     for axis, what in (("dp", "data-parallel"), ("tp", "tensor-parallel (Megatron)"), ("pp", "pipeline-parallel"),
@@ -415,6 +416,9 @@ def _main(args) -> int:
         if args.verb == "check" and (args.save or args.resume):
             raise ValueError("check compares training from the start against one device: --save and --resume "
                              "belong to train")
+        if args.verb == "check":
+            from .equivalence import checkable
+            checkable(run)
     except (LayoutError, DataError, ValueError, FileNotFoundError) as e:  # includes an unknown --hardware
         print(f"playground {args.verb}: {e}", file=sys.stderr)
         return 2

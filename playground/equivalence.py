@@ -121,9 +121,17 @@ def _compare(what, name, got, ref, tol, scale=None) -> Row:
     return Row(what, name, diff, rel, tol is None or rel <= tol)
 
 
+def checkable(run: RunConfig) -> None:
+    """Raise ValueError naming the value when `run` cannot be checked against one device."""
+    run.layout.validate(run.model)
+    if run.model.attention_dropout:
+        raise ValueError(f"check needs attention_dropout=0, not {run.model.attention_dropout}: each rank draws its own "
+                         f"dropout masks, so no layout computes one device's numbers")
+
+
 def check(run: RunConfig) -> CheckReport:
     run = replace(run, progress=False)
-    run.layout.validate(run.model)
+    checkable(run)
     tol = dict(TOLERANCE[run.dtype])
     if run.model.n_experts and run.dtype == "bfloat16":
         # bf16 router logits cannot reproduce float64's routing decisions near ties; a token routed

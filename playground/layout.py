@@ -121,6 +121,9 @@ class Layout:
             raise LayoutError(f"cp_impl={self.cp_impl!r}: choose one of {IMPLEMENTATIONS}")
         if self.cp_balance not in BALANCES:
             raise LayoutError(f"cp_balance={self.cp_balance!r}: choose one of {BALANCES}")
+        if self.cp > 1 and c.attention != "flash":
+            raise LayoutError(f"cp={self.cp} needs attention='flash' (ring attention and Ulysses run the flash kernel; "
+                              f"attention={c.attention!r} would be silently replaced)")
         if self.cp > 1:
             n = n_chunks(self.cp, self.cp_balance)
             if c.seq_len % n:

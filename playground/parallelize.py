@@ -342,7 +342,7 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_di
         for part in parts:
             compile_blocks(part)
     for part in parts:
-        part.materialize(device, run.seed, state_dict)
+        part.materialize(device, run.seed, state_dict, rank=mesh.rank)
     # 7. data parallelism on each part
     zero = _uses_zero(run)
     label = (lambda s, name: f"{name}.stage{s}") if layout.pp > 1 else (lambda s, name: name)
