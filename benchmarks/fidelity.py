@@ -7,7 +7,9 @@ place of run13's), run15_fidelity (the rest) and run16_host (1b one GPU, TP 2, T
 CP 2, 350m DDP and TP 2, 1b-moe EP 2, measured again in the call and on the machine that
 `playground calibrate` fitted the shipped `h200` profile on: they take the place of the
 earlier runs), run19_unfused (one H200: 1b and 350m on one GPU with attention="unfused",
-Megatron-LM's of 2021, and the flash kernel again beside it)), plans the same model and
+Megatron-LM's of 2021, and the flash kernel again beside it), run20_dropout (one H200: 1b and
+350m with attention dropout 0.1 on the unfused attention, beside it without, measured again:
+they take the place of run19's; and 1b with it under full checkpointing)), plans the same model and
 layout on that profile (simulator/profiles/h200.json) and prints, per layout: the measured median step (steps after the first) against
 the planned step, and the measured CUDA peak (`torch.cuda.max_memory_allocated`, the
 largest over the ranks) against the planned peak, with the relative error of each; and the
@@ -37,7 +39,7 @@ from playground.planning import plan  # noqa: E402
 
 GPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu")
 MEASURED = [os.path.join(GPU, name) for name in ("run13_kernels", "run14_side_by_side", "run15_fidelity",
-                                                  "run16_host", "run19_unfused")]
+                                                  "run16_host", "run19_unfused", "run20_dropout")]
 
 
 def measured_run(path: str) -> RunConfig:

@@ -4,7 +4,9 @@
 # and `1b` (each layout trained 10 steps in bf16 under torchrun with --json; layouts without
 # ZeRO with --bf16-copies, the mixed precision a plan prices), or `350m:tp2,cp2` for some
 # of them, `moe` (1b-moe, ep 2), `unfused` (one GPU: 1b and 350m with attention=unfused
-# beside the flash kernel), `check` (the NCCL collectives against the simulator, and
+# beside the flash kernel), `dropout` (one GPU: tests/test_dropout.py on CUDA; 1b and 350m with
+# attention dropout 0.1 beside unfused attention without it, and 1b with it under full
+# checkpointing), `check` (the NCCL collectives against the simulator, and
 # `playground check` of tp 2 + SP and pp 2). Logs and JSON in $LOGS, packed into
 # $OUT/gpu_logs.tgz.
 set -uo pipefail
@@ -48,6 +50,17 @@ for s in "${@:-calibrate 350m 1b moe}"; do for t in $s; do
                  --model-config attention=unfused --bf16-copies --micro-batch-size "${m#*:}" \
                  --json "$LOGS/${m%:*}-unfused_single.json"
              done ;;
+    dropout) python -m pytest -q -p no:cacheprovider tests/test_dropout.py > "$LOGS/test_dropout_cuda.log" 2>&1
+             tail -1 "$LOGS/test_dropout_cuda.log"
+             for m in 1b:4 350m:8; do  # attention dropout 0.1 (Megatron-LM's default) beside unfused attention without it
+               for v in unfused:attention=unfused dropout:attention=unfused,attention_dropout=0.1; do
+                 command_run "${m%:*}-${v%%:*}_single" 1 200 train --dtype bfloat16 --steps 10 --model "${m%:*}" \
+                   --model-config "${v#*:}" --bf16-copies --micro-batch-size "${m#*:}" --json "$LOGS/${m%:*}-${v%%:*}_single.json"
+               done
+             done
+             command_run 1b-dropout-acfull_single 1 200 train --dtype bfloat16 --steps 10 --model 1b --ac full \
+               --model-config attention=unfused,attention_dropout=0.1 --bf16-copies --micro-batch-size 4 \
+               --json "$LOGS/1b-dropout-acfull_single.json" ;;
     moe) command_run 1b-moe_ep2 2 200 train --dtype bfloat16 --steps 10 --model 1b-moe --bf16-copies --ep 2 --dp 2 \
            --micro-batch-size 4 --json "$LOGS/1b-moe_ep2.json" ;;
     *) echo "unknown set $t"; exit 2 ;;
