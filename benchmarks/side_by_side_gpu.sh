@@ -5,7 +5,7 @@
 # then one torch-profiler run of each DDP side, benchmarks/gpu_profile.py; `kernels`:
 # benchmarks/kernels_gpu.py, the model's element-wise parts before and after; `*_copies`: the
 # playground alone with --bf16-copies; `ddp_350m_copies[_2]`: torch DDP under autocast beside the playground's
-# with --bf16-copies, _2 in the other order; `single_1b_b8*`: one GPU at micro-batch 8; `profile_single`: its one-GPU step profiled;
+# with --bf16-copies, _2 in the other order; `single_1b_b8*`, `single_1b_b16*`: one GPU at micro-batch 8, 16; `profile_single`: its one-GPU step profiled;
 # `profile_layouts`: steady-state profiles of layouts, gpu_profile.py). Logs and JSON in
 # $LOGS, packed into $OUT/gpu_logs.tgz; benchmarks/side_by_side.py tabulates them.
 set -uo pipefail
@@ -40,6 +40,9 @@ pair() {
     single_1b_b8) torch_side torch_single_1b_b8 1 --mode single --model 1b --mbs 8
                   pg pg_single_1b_b8 1 --model 1b --micro-batch-size 8 ;;
     single_1b_b8_copies) pg pg_single_1b_b8_copies 1 --model 1b --micro-batch-size 8 --bf16-copies ;;
+    single_1b_b16) torch_side torch_single_1b_b16 1 --mode single --model 1b --mbs 16
+                   pg pg_single_1b_b16 1 --model 1b --micro-batch-size 16 ;;
+    single_1b_b16_copies) pg pg_single_1b_b16_copies 1 --model 1b --micro-batch-size 16 --bf16-copies ;;
     single_1b_b8_compile) torch_side torch_single_1b_b8_compile 1 --mode single --model 1b --mbs 8 --compile
                           pg pg_single_1b_b8_compile 1 --model 1b --micro-batch-size 8 --compile ;;
     single_1b_copies) pg pg_single_1b_b4_copies 1 --model 1b --micro-batch-size 4 --bf16-copies ;;
