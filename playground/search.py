@@ -30,7 +30,8 @@ buckets: per block; the embedding, the head and the schedule's constant part: no
 the microbatches m once every stage is busy (1F1B's makespan is (m + p - 1) steps and its
 peak holds min(m, p) microbatches: affine from m = p; the interleaved schedule's warm-up
 holds up to about 3p chunks, so from m = 2p; without a pipeline, gradient accumulation
-repeats one microbatch: from m = 1); and in the pipeline's depth p, for a fixed m ≥ p (2p
+repeats one microbatch: from m = 1, and from m = 2 under ZeRO-2/3, whose gradient shards
+exist from the first microbatch's backward to the step); and in the pipeline's depth p, for a fixed m ≥ p (2p
 interleaved), when every pipeline hop crosses nodes at any depth: the fill and drain add
 one step per stage, the first stage holds one more microbatch per stage, and the last
 stage (the head) holds the same at any depth. The blocks are affine from k = 1, and from
@@ -98,14 +99,15 @@ def model_states_bound(cfg, layout: Layout) -> float:
     """Bytes of model states per rank, a lower bound of its peak: bf16 weights and
     gradients (2 + 2 bytes) and fp32 master weights and AdamW moments (12 bytes) per
     parameter, each rank holding 1/(tp·pp) of the parameters, ZeRO sharding the 12 bytes
-    (stage 1), the gradients too (2) and the weights too (3) over dp·cp."""
+    (stage 1) and the gradients too (2) over dp·cp; stage 3 keeps no bf16 weights (each
+    all-gather casts the master shard: zero/zero.py)."""
     psi = cfg.n_params() / (layout.tp * layout.pp)
     n = layout.dp * layout.cp
     weights, grads, states = 2 * psi, 2 * psi, 12 * psi / (n if layout.zero >= 1 else 1)
     if layout.zero >= 2:
         grads /= n
     if layout.zero >= 3:
-        weights /= n
+        weights = 0
     return weights + grads + states
 
 
@@ -140,8 +142,10 @@ def points(layout, n_layers: int, gpus_per_node: int) -> tuple:
     p: (2, 3) for a pipeline deeper than 3 whose every stage is busy (m ≥ p, interleaved
     m ≥ 2p) and whose neighbours sit on other nodes at any depth (dp·cp·tp a multiple of
     a node), else its own. k: k0 and k0 + 1 (k0 = 2 under ZeRO-3, else 1). m: from m0 (1
-    without a pipeline; the largest p, interleaved twice that), the next count the
-    schedule allows at every p (interleaved: a multiple of each p)."""
+    without a pipeline, 2 under ZeRO-2/3, whose gradient shards, made by the first
+    microbatch's backward, are held through the later forwards; the largest p, interleaved
+    twice that), the next count the schedule allows at every p (interleaved: a multiple of
+    each p)."""
     p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
     k = n_layers // (p * v)
     k0 = 2 if layout.zero >= 3 else 1
@@ -150,7 +154,7 @@ def points(layout, n_layers: int, gpus_per_node: int) -> tuple:
     deep = p > 3 and busy and (layout.dp * layout.cp * layout.tp) % gpus_per_node == 0
     for ps in ([(2, 3)] if deep else []) + [(p,)]:
         step = math.lcm(*ps) if v > 1 else 1
-        m0 = 1 if p == 1 else 2 * max(ps) if v > 1 else max(ps)
+        m0 = (2 if layout.zero >= 2 else 1) if p == 1 else 2 * max(ps) if v > 1 else max(ps)
         m0 = -(-m0 // step) * step
         ms = (m0, m0 + step) if m > m0 + step else (m,)
         if all(mm % step == 0 for mm in ms):  # (interleaved: every point a multiple of each p)

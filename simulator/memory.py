@@ -76,8 +76,13 @@ class MemoryTracker:
         self.peak_comm_buffers = 0
         self.temporaries = 0  # bytes of backward's temporaries alive now
         self.peak_temporaries = 0
-        self.peak_transient = 0  # the peak of activations + communication buffers + temporaries together
+        # gradients a strategy allocates in backward and frees at its optimizer step (ZeRO-2/3's
+        # shards, as FSDP2's after zero_grad(set_to_none=True)), alive now
+        self.step_gradients = 0
+        self.peak_step_gradients = 0
+        self.peak_transient = 0  # the peak of activations, buffers, temporaries and step gradients together
         self._exclude: set = set()
+        self._temporary: dict = {}  # storage id -> the finalizer that stops counting a temporary
         self._held: dict = {}  # storage id -> [bytes, how many saved tensors hold it]
         self.tracking = False  # inside track_activations
 
@@ -93,7 +98,8 @@ class MemoryTracker:
         return _Saved(t.detach(), s._cdata, s.nbytes(), self)
 
     def _transient_changed(self) -> None:
-        self.peak_transient = max(self.peak_transient, self.activations + self.comm_buffers + self.temporaries)
+        self.peak_transient = max(self.peak_transient,
+                                  self.activations + self.comm_buffers + self.temporaries + self.step_gradients)
 
     def temporary(self, t: torch.Tensor) -> None:
         """Count `t`'s storage (made by an op in backward) until `t` is freed."""
@@ -103,16 +109,35 @@ class MemoryTracker:
         self.temporaries += nbytes
         self.peak_temporaries = max(self.peak_temporaries, self.temporaries)
         self._transient_changed()
-        weakref.finalize(t, self._temporary_freed, nbytes)
+        sid = storage_id(t)
+        self._temporary[sid] = weakref.finalize(t, self._temporary_freed, sid, nbytes)
 
-    def _temporary_freed(self, nbytes: int) -> None:
+    def _temporary_freed(self, sid: int, nbytes: int) -> None:
         self.temporaries -= nbytes
+        f = self._temporary.get(sid)
+        if f is not None and not f.alive:  # (its own entry, not a later tensor's at the same address)
+            del self._temporary[sid]
+
+    def claim(self, t: torch.Tensor) -> None:
+        """A strategy counts `t` (made in backward) in a category of its own (`buffer`,
+        `gradients`): it is no longer a temporary."""
+        f = self._temporary.pop(storage_id(t), None)
+        info = f.detach() if f is not None else None
+        if info is not None:
+            self.temporaries -= info[2][1]
 
     def buffer(self, nbytes: int) -> None:
         """A strategy allocated (nbytes > 0) or freed (< 0) a communication buffer (ZeRO's
         gathered parameters and in-flight gradients)."""
         self.comm_buffers += nbytes
         self.peak_comm_buffers = max(self.peak_comm_buffers, self.comm_buffers)
+        self._transient_changed()
+
+    def gradients(self, nbytes: int) -> None:
+        """A strategy allocated (nbytes > 0) or freed (< 0) gradients that live from backward
+        to its optimizer step (not model states held through the forward)."""
+        self.step_gradients += nbytes
+        self.peak_step_gradients = max(self.peak_step_gradients, self.step_gradients)
         self._transient_changed()
 
     @contextlib.contextmanager
@@ -154,14 +179,18 @@ class MemoryTracker:
         """Bytes by category now (model states measured from `model` and `optimizer`, or as a
         strategy reports them in `states`), with the peaks so far of the activations and the
         communication buffers, and the peak total: model states as now plus the peak of
-        activations and communication buffers held together."""
+        activations, communication buffers, temporaries and step gradients held together.
+        "gradients" adds the peak of the step gradients to those held now (ZeRO-2/3 free
+        theirs at the step: a report after it still shows what backward made)."""
         out = dict(states) if states is not None else self.model_states(model, optimizer)
+        held = out["gradients"]
+        out["gradients"] = held + self.peak_step_gradients
         out["activations"] = self.activations
         out["peak_activations"] = self.peak_activations
         out["comm_buffers"] = self.comm_buffers
         out["peak_comm_buffers"] = self.peak_comm_buffers
         out["peak_temporaries"] = self.peak_temporaries
-        out["peak_total"] = out["parameters"] + out["gradients"] + out["optimizer"] + self.peak_transient
+        out["peak_total"] = out["parameters"] + held + out["optimizer"] + self.peak_transient
         return out
 
 

@@ -46,7 +46,7 @@ class FlatUnit:
         for p, off in zip(self.params, self.offsets):
             p.data = self.flat[off:off + p.numel()].view(p.shape)
         self.gathered = True
-        self.gather_work = None
+        self.gather_work = self.gather_input = None
 
     @property
     def nbytes(self) -> int:
@@ -60,17 +60,19 @@ class FlatUnit:
             self.gathered = False
 
     def gather(self, group, shard: torch.Tensor, label: str):
-        """Start the all-gather of every rank's `shard` into the flat buffer (async)."""
+        """Start the all-gather of every rank's `shard` into the flat buffer (async); the
+        shard is held (`gather_input`) until the all-gather is done."""
         if self.gathered or self.gather_work is not None:
             return None
         self.flat.untyped_storage().resize_(self.nbytes)
+        self.gather_input = shard
         self.gather_work = group.all_gather(self.flat, shard, async_op=True, label=label)
         return self.gather_work
 
     def wait_gathered(self) -> None:
         if self.gather_work is not None:
             self.gather_work.wait()
-            self.gather_work = None
+            self.gather_work = self.gather_input = None
             self.gathered = True
 
     # -- Contract 4 ---------------------------------------------------------------------------

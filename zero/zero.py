@@ -27,7 +27,12 @@ embedding, the final norm and the head). By stage:
 Mixed precision: parameters and gradients in `compute_dtype` (the model runs in it), the
 master weights and AdamW's states in the dtype the model was built in (fp32); gradients
 are reduced in `reduce_dtype` (default the compute dtype); fp16 gets dynamic loss
-scaling (`loss_scaler.py`). The optimizer is torch's AdamW applied to the shards: AdamW
+scaling (`loss_scaler.py`). At stage 3 no compute-dtype copy of a shard is kept: each
+all-gather casts the master shard into its input (as FSDP2 does; the paper's 16Ψ/N
+becomes 14Ψ/N). The gradient shards of stages 2-3 are made by the step's first reduction
+and freed by the optimizer step (FSDP2's after `zero_grad(set_to_none=True)`), so they
+do not exist through the next forward; the memory tracker counts them as the step's
+gradients (`MemoryTracker.gradients`). The optimizer is torch's AdamW applied to the shards: AdamW
 is elementwise, so updating shards equals updating the whole.
 
 Communication labels: `zero.grads.unit<i>` (all-reduce at stage 0, reduce-scatter
@@ -117,15 +122,17 @@ class ZeroDataParallel(nn.Module):
                 self._where[p] = (u, i)
             full_master = u.initial if self.mixed else u.flat  # master dtype, full
             if stage == 3:
-                u.param_shard = u.flat[u.lo:u.hi].clone()
-                u.master = u.initial[u.lo:u.hi].clone() if self.mixed else u.param_shard
+                # mixed precision: no compute copy of the shard is kept; each all-gather casts
+                # the master shard into its input (as FSDP2 does)
+                u.master = u.initial[u.lo:u.hi].clone() if self.mixed else u.flat[u.lo:u.hi].clone()
+                u.param_shard = None if self.mixed else u.master
                 u.free()
             else:
                 u.param_shard = None
                 u.master = full_master[u.lo:u.hi].clone() if self.mixed else u.flat[u.lo:u.hi]
             del u.initial
             u.grad_flat = torch.zeros(u.padded, dtype=self.compute_dtype, device=u.flat.device) if stage < 2 else None
-            u.grad_shard = torch.zeros(u.shard, dtype=self.compute_dtype, device=u.flat.device) if stage >= 2 else None
+            u.grad_shard = None  # stages 2-3: made by the step's first reduction, freed by the optimizer step
             u.reduce = None  # (work, buffer) of the gradient reduction in flight
         self.optimizer = adamw([u.master for u in self.units], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self._in_flight: list = []  # units whose gradient reduction is in flight, oldest first
@@ -151,8 +158,11 @@ class ZeroDataParallel(nn.Module):
         """The reduced gradient this rank updates with (its shard; all of it at stage 0)."""
         if self.stage == 0:
             g = u.grad_flat
+        elif self.stage == 1:
+            g = u.grad_flat[u.lo:u.hi]
         else:
-            g = u.grad_flat[u.lo:u.hi] if self.stage == 1 else u.grad_shard
+            g = u.grad_shard if u.grad_shard is not None else torch.zeros(u.shard, dtype=self.compute_dtype,
+                                                                            device=u.flat.device)
         return g * self.grad_scale if self.grad_scale != 1.0 else g
 
     @torch.no_grad()
@@ -177,9 +187,7 @@ class ZeroDataParallel(nn.Module):
         self._zero_grads()
         works = []
         for u in self.units:
-            if self.stage == 3:
-                if self.mixed:
-                    u.param_shard.copy_(u.master)
+            if self.stage == 3:  # the next all-gathers read the masters
                 continue
             if self.mixed:
                 u.flat[u.lo:u.hi].copy_(u.master)
@@ -191,12 +199,23 @@ class ZeroDataParallel(nn.Module):
         return True
 
     def _zero_grads(self) -> None:
+        """Stages 0-1 zero their full gradients; stages 2-3 free their shards (FSDP2's grads
+        after zero_grad(set_to_none=True)): they do not exist through the next forward."""
         for u in self.units:
-            (u.grad_flat if self.stage < 2 else u.grad_shard).zero_()
+            if self.stage < 2:
+                u.grad_flat.zero_()
+            elif u.grad_shard is not None:
+                if self.memory is not None:
+                    self.memory.gradients(-u.grad_shard.nbytes)
+                u.grad_shard = None
 
     # -- gradients ------------------------------------------------------------------------------
-    def _buffer(self, nbytes: int) -> None:
+    def _buffer(self, nbytes: int, made=None) -> None:
+        """Count nbytes (< 0: free them) as communication buffers; `made`: the tensor, made in
+        backward, that the memory tracker must then not count as a temporary too."""
         if self.memory is not None:
+            if made is not None:
+                self.memory.claim(made)
             self.memory.buffer(nbytes)
 
     def _grad_arrived(self, p) -> None:
@@ -209,7 +228,7 @@ class ZeroDataParallel(nn.Module):
     def _ensure_grad_flat(self, u) -> None:
         if u.grad_flat is None:
             u.grad_flat = torch.zeros(u.padded, dtype=self.compute_dtype, device=u.flat.device)
-            self._buffer(u.grad_flat.nbytes)
+            self._buffer(u.grad_flat.nbytes, made=u.grad_flat)
 
     def _unit_ready(self, u, pending: list) -> None:
         """Every gradient of unit `u` is in (`pending`, at the end of backward: those that
@@ -251,7 +270,13 @@ class ZeroDataParallel(nn.Module):
         work, buf = u.reduce
         work.wait()
         if self.stage >= 2:
-            u.grad_shard.add_(buf[u.lo:u.hi])
+            if u.grad_shard is None:
+                u.grad_shard = buf[u.lo:u.hi].to(self.compute_dtype, copy=True)
+                if self.memory is not None:
+                    self.memory.claim(u.grad_shard)
+                    self.memory.gradients(u.grad_shard.nbytes)
+            else:
+                u.grad_shard.add_(buf[u.lo:u.hi])
             self._buffer(-u.grad_flat.nbytes)
             u.grad_flat = None
         elif buf is not u.grad_flat:
@@ -272,10 +297,19 @@ class ZeroDataParallel(nn.Module):
 
     # -- stage 3: parameters gathered around their use -----------------------------------------
     def _gather(self, u, wait: bool) -> None:
-        if u.gather(self.group, u.param_shard, label=f"{self.label}.gather.{u.name}") is not None:
-            self._buffer(u.nbytes)
-        if wait:
+        if not u.gathered and u.gather_work is None:
+            # the shard in the compute dtype: the master itself, or (mixed) its cast, held by
+            # the unit until the all-gather is done
+            shard = u.param_shard if u.param_shard is not None else u.master.to(self.compute_dtype)
+            u.gather(self.group, shard, label=f"{self.label}.gather.{u.name}")
+            cast = shard is not u.param_shard
+            self._buffer(u.nbytes + (shard.nbytes if cast else 0), made=shard if cast else None)
+        if wait and u.gather_work is not None:
+            cast = u.gather_input is not u.param_shard
+            nbytes = u.gather_input.nbytes
             u.wait_gathered()
+            if cast:
+                self._buffer(-nbytes)
 
     def _free(self, u) -> None:
         if u.gathered:
@@ -369,10 +403,8 @@ class ZeroDataParallel(nn.Module):
                 if step:
                     for kind in ("exp_avg", "exp_avg_sq"):
                         state[kind][loc:loc + n].copy_(fill(kind, pl))
-            if self.stage == 3:
-                if u.param_shard is not u.master:
-                    u.param_shard.copy_(u.master)
-            else:  # the whole compute copy, from the checkpoint (no collective needed)
+            if self.stage < 3:  # (stage 3 gathers from the masters)
+                # the whole compute copy, from the checkpoint (no collective needed)
                 for i, pl in enumerate(u.placements):
                     u.view_of(u.flat, i).copy_(fill("param", pl))
 
