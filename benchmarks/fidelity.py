@@ -9,7 +9,10 @@ CP 2, 350m DDP and TP 2, 1b-moe EP 2, measured again in the call and on the mach
 earlier runs), run19_unfused (one H200: 1b and 350m on one GPU with attention="unfused",
 Megatron-LM's of 2021, and the flash kernel again beside it), run20_dropout (one H200: 1b and
 350m with attention dropout 0.1 on the unfused attention, beside it without, measured again:
-they take the place of run19's; and 1b with it under full checkpointing)), plans the same model and
+they take the place of run19's; and 1b with it under full checkpointing), run22_zero3_w1 (one
+H200: 1b and 350m under ZeRO-3 at dp 1, measured after the engine stopped keeping a bf16
+parameter shard and its gradient shards through the forward; the 2-GPU ZeRO-3 runs of
+run15 measured the engine before that and are listed, not compared: `SUPERSEDED`)), plans the same model and
 layout on that profile (simulator/profiles/h200.json) and prints, per layout: the measured median step (steps after the first) against
 the planned step, and the measured CUDA peak (`torch.cuda.max_memory_allocated`, the
 largest over the ranks) against the planned peak, with the relative error of each; and the
@@ -39,7 +42,12 @@ from playground.planning import plan  # noqa: E402
 
 GPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu")
 MEASURED = [os.path.join(GPU, name) for name in ("run13_kernels", "run14_side_by_side", "run15_fidelity",
-                                                  "run16_host", "run19_unfused", "run20_dropout")]
+                                                  "run16_host", "run19_unfused", "run20_dropout", "run22_zero3_w1")]
+# runs of code that has changed since: a plan prices the code as it is, so these are not compared
+SUPERSEDED = {
+    "1b_zero3": "ZeRO-3 then kept a bf16 parameter shard and its gradient shards through the forward (4Ψ/N more)",
+    "350m_zero3": "ZeRO-3 then kept a bf16 parameter shard and its gradient shards through the forward (4Ψ/N more)",
+}
 
 
 def measured_run(path: str) -> RunConfig:
@@ -77,6 +85,7 @@ def main() -> None:
     a = ap.parse_args()
     runs = {os.path.basename(f): f for d in a.measured for f in sorted(glob.glob(os.path.join(d, "*.json")))
             if "layout" in json.load(open(f)) and not os.path.basename(f).startswith("pg_")}  # (side-by-side runs)
+    stale = {k: runs.pop(k) for k in sorted(runs) if k[:-5] in SUPERSEDED}
     rows = [compare(runs[k], a.hardware) for k in sorted(runs)]
     if not rows:
         sys.exit(f"fidelity: no train JSON in {a.measured}")
@@ -94,8 +103,11 @@ def main() -> None:
                   f"{r['planned']['issuing'] * 1e3:.1f} ms",
                   human_bytes(r["measured_cuda_peak"]), human_bytes(r["planned_peak"]),
                   f"{r['memory_error']:+.0%}" if r["memory_error"] is not None else "-"] for r in rows])
+    for k, path in stale.items():
+        print(f"not compared: {k[:-5]} ({os.path.basename(os.path.dirname(path))}): {SUPERSEDED[k[:-5]]}")
     write_json(a.json, {"benchmark": "fidelity", "hardware": a.hardware, "measured_from": [os.path.relpath(d) for d in a.measured],
-                        "within_10pct": {"step": within[0], "memory": within[1], "rows": len(rows)}, "rows": rows})
+                        "within_10pct": {"step": within[0], "memory": within[1], "rows": len(rows)}, "rows": rows,
+                        "superseded": {k[:-5]: SUPERSEDED[k[:-5]] for k in stale}})
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 # of them, `moe` (1b-moe, ep 2), `unfused` (one GPU: 1b and 350m with attention=unfused
 # beside the flash kernel), `dropout` (one GPU: tests/test_dropout.py on CUDA; 1b and 350m with
 # attention dropout 0.1 beside unfused attention without it, and 1b with it under full
-# checkpointing), `check` (the NCCL collectives against the simulator, and
+# checkpointing), `zero3-w1` (one GPU: 1b and 350m under ZeRO-3 at dp 1), `check` (the NCCL collectives against the simulator, and
 # `playground check` of tp 2 + SP and pp 2). Logs and JSON in $LOGS, packed into
 # $OUT/gpu_logs.tgz.
 set -uo pipefail
@@ -61,6 +61,10 @@ for s in "${@:-calibrate 350m 1b moe}"; do for t in $s; do
              command_run 1b-dropout-acfull_single 1 200 train --dtype bfloat16 --steps 10 --model 1b --ac full \
                --model-config attention=unfused,attention_dropout=0.1 --bf16-copies --micro-batch-size 4 \
                --json "$LOGS/1b-dropout-acfull_single.json" ;;
+    zero3-w1) for m in 1b:4 350m:8; do  # ZeRO-3 on one GPU (dp 1): the engine's memory, as a 2-GPU run has it
+                command_run "${m%:*}_zero3-w1" 1 200 train --dtype bfloat16 --steps 10 --model "${m%:*}" --zero 3 \
+                  --micro-batch-size "${m#*:}" --json "$LOGS/${m%:*}_zero3-w1.json"
+              done ;;
     moe) command_run 1b-moe_ep2 2 200 train --dtype bfloat16 --steps 10 --model 1b-moe --bf16-copies --ep 2 --dp 2 \
            --micro-batch-size 4 --json "$LOGS/1b-moe_ep2.json" ;;
     *) echo "unknown set $t"; exit 2 ;;

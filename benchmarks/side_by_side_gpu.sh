@@ -5,7 +5,7 @@
 # then one torch-profiler run of each DDP side, benchmarks/gpu_profile.py; `kernels`:
 # benchmarks/kernels_gpu.py, the model's element-wise parts before and after; `*_copies`: the
 # playground alone with --bf16-copies; `ddp_350m_copies[_2]`: torch DDP under autocast beside the playground's
-# with --bf16-copies, _2 in the other order; `single_1b_b8*`, `single_1b_b16*`: one GPU at micro-batch 8, 16; `profile_single`: its one-GPU step profiled;
+# with --bf16-copies, _2 in the other order; `single_1b_b8*`, `single_1b_b16*`: one GPU at micro-batch 8, 16; `zero3_w1`: FSDP2 and ZeRO-3 on one GPU; `profile_single`: its one-GPU step profiled;
 # `profile_layouts`: steady-state profiles of layouts, gpu_profile.py). Logs and JSON in
 # $LOGS, packed into $OUT/gpu_logs.tgz; benchmarks/side_by_side.py tabulates them.
 set -uo pipefail
@@ -40,6 +40,10 @@ pair() {
     single_1b_b8) torch_side torch_single_1b_b8 1 --mode single --model 1b --mbs 8
                   pg pg_single_1b_b8 1 --model 1b --micro-batch-size 8 ;;
     single_1b_b8_copies) pg pg_single_1b_b8_copies 1 --model 1b --micro-batch-size 8 --bf16-copies ;;
+    zero3_w1) for m in 1b 350m; do  # one GPU: FSDP2 over a world of 1 beside ZeRO-3 at dp 1 (the same memory structure)
+                torch_side torch_fsdp2_${m}_b8_w1 1 --mode fsdp2 --model $m --mbs 8
+                pg pg_zero3_${m}_b8_w1 1 --model $m --zero 3 --micro-batch-size 8
+              done ;;
     single_1b_b16) torch_side torch_single_1b_b16 1 --mode single --model 1b --mbs 16
                    pg pg_single_1b_b16 1 --model 1b --micro-batch-size 16 ;;
     single_1b_b16_copies) pg pg_single_1b_b16_copies 1 --model 1b --micro-batch-size 16 --bf16-copies ;;

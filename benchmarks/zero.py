@@ -1,7 +1,9 @@
 """Benchmark: ZeRO stages 0-3 at dp = 8 on the small GPT. Per rank:
-model-state memory by category (measured from the tensors each rank holds after a step)
-beside the ZeRO paper's mixed-precision formulas (2 + 2 + 12 bytes per parameter: stage 0
-16Ψ, 1 4Ψ + 12Ψ/N, 2 2Ψ + 14Ψ/N, 3 16Ψ/N), the peak of the communication buffers (the
+model-state memory by category (measured from the tensors each rank holds after a step,
+the gradients of stages 2-3 as the step's backward made them: the step frees them) beside
+the ZeRO paper's mixed-precision formulas (2 + 2 + 12 bytes per parameter: stage 0 16Ψ,
+1 4Ψ + 12Ψ/N, 2 2Ψ + 14Ψ/N, 3 16Ψ/N; this stage 3 keeps no bf16 partition of the
+parameters, as FSDP2: 14Ψ/N), the peak of the communication buffers (the
 gathered units and in-flight gradients the formulas leave out), the peak of activations,
 and the bytes sent per step from the ledger beside 2Ψ(N-1)/N (stages 0-2) and 3Ψ(N-1)/N
 (stage 3) elements of bf16; with the simulated step on h100-sxm. Prints a table and writes
@@ -44,7 +46,9 @@ def rank_program(world, stage, batch):
         del loss
         z.step()
         times.append(world.timing.clock.now - t0)
-    return {"states": MemoryTracker.measure(z.state_tensors()), "peak_comm": memory.peak_comm_buffers,
+    report = memory.snapshot(states=MemoryTracker.measure(z.state_tensors()))
+    states = {k: report[k] for k in ("parameters", "gradients", "optimizer")}
+    return {"states": states, "peak_comm": memory.peak_comm_buffers,
             "peak_act": memory.peak_activations, "step_s": times[-1]}
 
 
