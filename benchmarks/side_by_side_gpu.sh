@@ -5,7 +5,7 @@
 # then one torch-profiler run of each DDP side, benchmarks/gpu_profile.py; `kernels`:
 # benchmarks/kernels_gpu.py, the model's element-wise parts before and after; `*_copies`: the
 # playground alone with --bf16-copies; `ddp_350m_copies[_2]`: torch DDP under autocast beside the playground's
-# with --bf16-copies, _2 in the other order; `single_1b_b8*`, `single_1b_b16*`: one GPU at micro-batch 8, 16; `zero3_w1`: FSDP2 and ZeRO-3 on one GPU; `profile_single`: its one-GPU step profiled;
+# with --bf16-copies, _2 in the other order; `single_1b_b8*`, `single_1b_b16*`: one GPU at micro-batch 8, 16; `zero3_w1`: FSDP2 and ZeRO-3 on one GPU; `single_350m`, `profile_350m_single`: one GPU at 350m, and its profiles; `profile_single`: its one-GPU step profiled;
 # `profile_layouts`: steady-state profiles of layouts, gpu_profile.py). Logs and JSON in
 # $LOGS, packed into $OUT/gpu_logs.tgz; benchmarks/side_by_side.py tabulates them.
 set -uo pipefail
@@ -44,6 +44,16 @@ pair() {
                 torch_side torch_fsdp2_${m}_b8_w1 1 --mode fsdp2 --model $m --mbs 8
                 pg pg_zero3_${m}_b8_w1 1 --model $m --zero 3 --micro-batch-size 8
               done ;;
+    single_350m) torch_side torch_single_350m_b8 1 --mode single --model 350m --mbs 8
+                 pg pg_single_350m_b8 1 --model 350m --micro-batch-size 8 ;;
+    profile_350m_single) for side in torch playground; do  # the steady state of each side's one-GPU 350m step
+                           if [ $side = torch ]; then args="--mode single --model 350m --mbs 8 --steps 8"
+                           else args="train --model 350m --micro-batch-size 8 --dtype bfloat16 --steps 8 --backend torch --no-progress"; fi
+                           timeout 150 torchrun --nproc_per_node 1 benchmarks/gpu_profile.py --out "$LOGS" \
+                             --name "profile_${side}_single_350m_b8" --side $side -- $args 2>&1 | grep -v "^W1" \
+                             > "$LOGS/profile_${side}_350m.log"
+                           echo "== profile $side: $(sed -n 5,7p "$LOGS/profile_${side}_single_350m_b8.txt" | tr '\n' ' ')"
+                         done ;;
     single_1b_b16) torch_side torch_single_1b_b16 1 --mode single --model 1b --mbs 16
                    pg pg_single_1b_b16 1 --model 1b --micro-batch-size 16 ;;
     single_1b_b16_copies) pg pg_single_1b_b16_copies 1 --model 1b --micro-batch-size 16 --bf16-copies ;;
