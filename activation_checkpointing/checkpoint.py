@@ -119,9 +119,10 @@ def _recomputing(modules):
 
 class Recompute:
     """`block.recompute`: runs the block's body(x, cos, sin) under torch.utils.checkpoint.
-    Without gradients (evaluation) the body runs plainly. Random state: torch's global
-    generators are not saved (the model draws from none of them); the block's dropout
-    generators (model/dropout.py) are, and recomputation replays the forward's masks."""
+    Without gradients (evaluation) the body runs plainly. Random state: the model's only
+    random op, attention dropout, draws from its modules' generators (model/dropout.py; on
+    CUDA the device's default one); their states at the forward are saved and replayed for
+    the recomputation, so it draws the forward's masks (torch's own RNG saving is off)."""
 
     def __init__(self, mode: str, block, memory=None):
         if mode not in ("full", "selective"):
