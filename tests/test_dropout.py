@@ -2,6 +2,8 @@
 checkpointing, their per-rank generators, how the simulator prices and counts them, and
 the refusals."""
 import contextlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -134,3 +136,13 @@ def test_on_cuda_recomputation_replays_the_device_generators_masks(compiled):
         assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(ga, gb)), mode
     l0, _ = run(0.0, "none")
     assert not torch.allclose(la, l0, rtol=1e-6)
+
+
+def test_the_command_line_refuses_dropout_where_it_cannot_run_in_one_line():
+    for args, words in ((["check", "--model-config", "attention=unfused,attention_dropout=0.1", "--dp", "2"],
+                         "check needs attention_dropout=0, not 0.1"),
+                        (["train", "--model-config", "attention_dropout=0.1"], "needs attention='unfused'"),
+                        (["train", "--model-config", "attention=unfused", "--cp", "2"], "cp=2 needs attention='flash'")):
+        r = subprocess.run([sys.executable, "-m", "playground", *args, "--model", "tiny"], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
