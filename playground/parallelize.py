@@ -278,6 +278,16 @@ def compile_blocks(model, backend: str = "inductor") -> None:
         model.loss = torch.compile(model.loss, backend=backend)
 
 
+def zero_units(part) -> list:
+    """The ZeRO units of a model part, in forward order: the embedding, each block and the
+    head (those it holds); the final norm is left to the root unit. The embedding and the
+    head are units of their own (as torchtitan shards them) so that ZeRO-3 gathers each
+    around its own use only, and their gradients, made at the two ends of backward, are
+    reduced apart: in one root unit both were gathered, and the head's gradient held in the
+    root's buffer, from the start of backward to its end."""
+    return [m for m in (part.tok_emb, *part.blocks.values(), part.lm_head) if m is not None]
+
+
 def _uses_zero(run) -> bool:
     return bool(run.layout.zero) or run.dtype == "float16" or (run.dtype == "bfloat16" and run.bf16_copies)
 
@@ -358,7 +368,7 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_di
                                     memory=memory, label=name, overlap=run.grad_overlap)
         wrappers = []
         for s, part, mine in zip(stages, parts, experts):
-            w = [zero_engine(part, dp, list(part.blocks.values()), mine, label(s, "zero"))]
+            w = [zero_engine(part, dp, zero_units(part), mine, label(s, "zero"))]
             if mine:
                 dense = [p for p in part.parameters() if all(p is not q for q in mine)]
                 w.append(zero_engine(part, edp_group, [m.experts for m in part.moe_layers()], dense,

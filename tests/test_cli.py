@@ -82,7 +82,7 @@ def test_plots(tmp_path):
 def test_zero_train_and_check(tmp_path):
     p = run("train", "--dp", "3", "--zero", "3", "--steps", "2", "--no-progress", "--json", str(tmp_path / "z.json"))
     assert p.returncode == 0, p.stderr
-    assert "memory per rank" in p.stdout and "zero.gather.unit* (3)" in p.stdout
+    assert "memory per rank" in p.stdout and "zero.gather.unit* (5)" in p.stdout  # root (the final norm), embedding, 2 blocks, head
     assert {"zero.gather.unit0", "zero.gather.unit2", "zero.grads.unit1"} <= _labels(tmp_path / "z.json", rank=2)
     p = run("check", "--dp", "2", "--zero", "2", "--dtype", "float64", "--microbatches", "2")
     assert p.returncode == 0, p.stdout + p.stderr

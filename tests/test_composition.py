@@ -10,6 +10,7 @@ import torch
 from model import GPT, Placement, preset
 from playground import Layout, LayoutError, RunConfig
 from playground.equivalence import check
+from playground.parallelize import zero_units
 from playground.training import train
 from tensor_parallel import parallelize_tensor
 from zero.zero import unit_specs
@@ -113,7 +114,7 @@ def _local_units(tp: int, tp_rank: int, dp: int) -> int:
     model = GPT(CFG, device="meta")
     if tp > 1:
         parallelize_tensor(model, types.SimpleNamespace(size=tp, rank=tp_rank))
-    specs = unit_specs(model, list(model.blocks.values()))
+    specs = unit_specs(model, zero_units(model))
     return sum(-(-sum(p.numel() for _, p in ps) // dp) * dp for _, _, ps in specs)
 
 

@@ -11,6 +11,7 @@ from simulator.memory import MemoryTracker
 from model import GPT, preset
 from playground import Layout, RunConfig
 from playground.equivalence import check
+from playground.parallelize import zero_units
 from playground.training import train
 from zero import DynamicLossScaler, ZeroDataParallel
 from zero.zero import unit_specs
@@ -25,7 +26,8 @@ def _run(stage, dp, dtype="float64", microbatches=2, steps=3, **kw):
 
 
 def _specs(model):
-    return unit_specs(model, list(model.blocks.values()))
+    """The units training gives the engine (playground.parallelize.zero_units)."""
+    return unit_specs(model, zero_units(model))
 
 
 def test_the_test_model_has_uneven_shards():

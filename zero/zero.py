@@ -4,9 +4,10 @@ FSDP-style units (Zhao et al. 2023, "PyTorch FSDP").
 
 The model's parameters are grouped into units, each flattened into one buffer split into
 equal shards over the data-parallel group (`FlatUnit`). The caller names the units, as
-FSDP2's `fully_shard` is applied per block: submodules (the transformer blocks), in the
-order forward runs them; the parameters left over form the root unit (for the GPT: the
-embedding, the final norm and the head). By stage:
+FSDP2's `fully_shard` is applied per module: submodules, in the order forward runs them
+(training gives the embedding, each transformer block and the head: parallelize's
+`zero_units`); the parameters left over form the root unit (there, the final norm). By
+stage:
 
 - 0: the baseline the paper compares with: gradients all-reduced, every rank holds and
   updates everything (mixed-precision data parallelism).
@@ -21,8 +22,8 @@ embedding, the final norm and the head). By stage:
   forward and freed after it, all-gathered again before its backward (triggered by a
   hook on the unit's output gradient) and freed when its last parameter gradient has
   been accumulated; the next unit's all-gather is started ahead (prefetch) on the
-  communication stream. The root unit (embedding, norm, head) is gathered from the start
-  to the end of forward, and again from the start to the end of backward.
+  communication stream. The root unit is gathered from the start to the end of forward,
+  and again from the start to the end of backward.
 
 Mixed precision: parameters and gradients in `compute_dtype` (the model runs in it), the
 master weights and AdamW's states in the dtype the model was built in (fp32); gradients
@@ -319,7 +320,7 @@ class ZeroDataParallel(nn.Module):
     def _install_stage3_hooks(self) -> None:
         blocks = [u for u in self.units if self._modules_of[u] is not None]
         root = self.units[0] if self._modules_of[self.units[0]] is None else None
-        # The root unit (embedding, final norm, head) is gathered around the whole forward
+        # The root unit (the parameters outside every named unit) is gathered around the whole forward
         # and again for the whole backward, so every parameter is gathered twice per step
         # (the paper's 3Ψ; FSDP keeps its root gathered instead, saving Ψ_root of traffic).
         if root is not None:
