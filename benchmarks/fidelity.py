@@ -12,7 +12,9 @@ Megatron-LM's of 2021, and the flash kernel again beside it), run20_dropout (one
 they take the place of run19's; and 1b with it under full checkpointing), run22_zero3_w1 (one
 H200: 1b and 350m under ZeRO-3 at dp 1, measured after the engine stopped keeping a bf16
 parameter shard and its gradient shards through the forward; the 2-GPU ZeRO-3 runs of
-run15 measured the engine before that and are listed, not compared: `SUPERSEDED`)), plans the same model and
+run15 measured the engine before that and are listed, not compared: `SUPERSEDED`),
+run26_zero_units (the same two again, after the embedding and the head became ZeRO units of
+their own: they take the place of run22's)), plans the same model and
 layout on that profile (simulator/profiles/h200.json) and prints, per layout: the measured median step (steps after the first) against
 the planned step, and the measured CUDA peak (`torch.cuda.max_memory_allocated`, the
 largest over the ranks) against the planned peak, with the relative error of each; and the
@@ -42,7 +44,7 @@ from playground.planning import plan  # noqa: E402
 
 GPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu")
 MEASURED = [os.path.join(GPU, name) for name in ("run13_kernels", "run14_side_by_side", "run15_fidelity",
-                                                  "run16_host", "run19_unfused", "run20_dropout", "run22_zero3_w1")]
+                                                  "run16_host", "run19_unfused", "run20_dropout", "run22_zero3_w1", "run26_zero_units")]
 # runs of code that has changed since: a plan prices the code as it is, so these are not compared
 SUPERSEDED = {
     "1b_zero3": "ZeRO-3 then kept a bf16 parameter shard and its gradient shards through the forward (4Ψ/N more)",
