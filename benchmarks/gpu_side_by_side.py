@@ -7,7 +7,9 @@ peer measured on the same model, batch and machine.
     torchrun --nproc_per_node 2 benchmarks/gpu_side_by_side.py --mode ddp --model 1b --mbs 4 --ac full
 
 DDP keeps fp32 weights and runs the model under bf16 autocast (as `playground --zero 0
---dtype bfloat16`); FSDP2 keeps bf16 parameters and reduces in fp32 (as `--zero 3`).
+--dtype bfloat16`); FSDP2 computes with bf16 parameters gathered from fp32 shards and
+reduces in fp32 (`--zero 3 --reduce-dtype float32`; the committed `--zero 3` pairs ran
+without that flag, reducing in bf16: half FSDP2's reduction bytes on 2 GPUs).
 Prints one JSON line on rank 0: the median step after the first three, tokens/s over all
 ranks, MFU (model FLOPs per token × tokens/s per GPU over the profile's peak) and CUDA's
 peak allocated memory. Writes it to --json too.
