@@ -82,7 +82,7 @@ class MemoryTracker:
         self.peak_step_gradients = 0
         self.peak_transient = 0  # the peak of activations, buffers, temporaries and step gradients together
         self._exclude: set = set()
-        self._temporary: dict = {}  # storage id -> the finalizer that stops counting a temporary
+        self._temporary: dict = {}  # storage id -> (bytes, the finalizer that stops counting a temporary)
         self._held: dict = {}  # storage id -> [bytes, how many saved tensors hold it]
         self.tracking = False  # inside track_activations
 
@@ -110,21 +110,20 @@ class MemoryTracker:
         self.peak_temporaries = max(self.peak_temporaries, self.temporaries)
         self._transient_changed()
         sid = storage_id(t)
-        self._temporary[sid] = weakref.finalize(t, self._temporary_freed, sid, nbytes)
+        self._temporary[sid] = (nbytes, weakref.finalize(t, self._temporary_freed, sid, nbytes))
 
     def _temporary_freed(self, sid: int, nbytes: int) -> None:
         self.temporaries -= nbytes
-        f = self._temporary.get(sid)
-        if f is not None and not f.alive:  # (its own entry, not a later tensor's at the same address)
+        entry = self._temporary.get(sid)
+        if entry is not None and not entry[1].alive:  # (its own entry, not a later tensor's at the same address)
             del self._temporary[sid]
 
     def claim(self, t: torch.Tensor) -> None:
         """A strategy counts `t` (made in backward) in a category of its own (`buffer`,
         `gradients`): it is no longer a temporary."""
-        f = self._temporary.pop(storage_id(t), None)
-        info = f.detach() if f is not None else None
-        if info is not None:
-            self.temporaries -= info[2][1]
+        entry = self._temporary.pop(storage_id(t), None)
+        if entry is not None and entry[1].detach() is not None:  # (not yet freed)
+            self.temporaries -= entry[0]
 
     def buffer(self, nbytes: int) -> None:
         """A strategy allocated (nbytes > 0) or freed (< 0) a communication buffer (ZeRO's

@@ -206,8 +206,7 @@ class ZeroDataParallel(nn.Module):
             if self.stage < 2:
                 u.grad_flat.zero_()
             elif u.grad_shard is not None:
-                if self.memory is not None:
-                    self.memory.gradients(-u.grad_shard.nbytes)
+                self._step_gradients(-u.grad_shard.nbytes)
                 u.grad_shard = None
 
     # -- gradients ------------------------------------------------------------------------------
@@ -218,6 +217,14 @@ class ZeroDataParallel(nn.Module):
             if made is not None:
                 self.memory.claim(made)
             self.memory.buffer(nbytes)
+
+    def _step_gradients(self, nbytes: int, made=None) -> None:
+        """Count nbytes (< 0: free them) as gradients that live until the optimizer step
+        (stages 2-3's shards); `made`: as in `_buffer`."""
+        if self.memory is not None:
+            if made is not None:
+                self.memory.claim(made)
+            self.memory.gradients(nbytes)
 
     def _grad_arrived(self, p) -> None:
         """Move p's gradient into its unit's flat gradient buffer."""
@@ -273,9 +280,7 @@ class ZeroDataParallel(nn.Module):
         if self.stage >= 2:
             if u.grad_shard is None:
                 u.grad_shard = buf[u.lo:u.hi].to(self.compute_dtype, copy=True)
-                if self.memory is not None:
-                    self.memory.claim(u.grad_shard)
-                    self.memory.gradients(u.grad_shard.nbytes)
+                self._step_gradients(u.grad_shard.nbytes, made=u.grad_shard)
             else:
                 u.grad_shard.add_(buf[u.lo:u.hi])
             self._buffer(-u.grad_flat.nbytes)
@@ -298,19 +303,17 @@ class ZeroDataParallel(nn.Module):
 
     # -- stage 3: parameters gathered around their use -----------------------------------------
     def _gather(self, u, wait: bool) -> None:
+        # the shard in the compute dtype: the master itself, or (mixed precision: no
+        # param_shard) its cast, a buffer held by the unit until the all-gather is done
+        cast = u.param_shard is None
         if not u.gathered and u.gather_work is None:
-            # the shard in the compute dtype: the master itself, or (mixed) its cast, held by
-            # the unit until the all-gather is done
-            shard = u.param_shard if u.param_shard is not None else u.master.to(self.compute_dtype)
+            shard = u.master.to(self.compute_dtype) if cast else u.param_shard
             u.gather(self.group, shard, label=f"{self.label}.gather.{u.name}")
-            cast = shard is not u.param_shard
             self._buffer(u.nbytes + (shard.nbytes if cast else 0), made=shard if cast else None)
         if wait and u.gather_work is not None:
-            cast = u.gather_input is not u.param_shard
-            nbytes = u.gather_input.nbytes
+            nbytes = u.gather_input.nbytes if cast else 0
             u.wait_gathered()
-            if cast:
-                self._buffer(-nbytes)
+            self._buffer(-nbytes)
 
     def _free(self, u) -> None:
         if u.gathered:
