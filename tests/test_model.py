@@ -48,6 +48,29 @@ def test_initialisation_depends_only_on_seed_and_name():
     assert 0.5 < wo.std().item() / (cfg.init_std / (2 * cfg.n_layers) ** 0.5) < 1.5
 
 
+def test_initialisation_on_threads_gives_the_serial_values():
+    """init_weights fills parameters on torch's intra-op thread count, in runs bounded by a
+    byte budget: the same values as one thread, whatever the order; an error in a thread
+    reaches the caller."""
+    from model.init import _batches, init_weights
+    cfg = preset("small")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = GPT(cfg, seed=3, dtype=torch.float64)
+        torch.set_num_threads(2)
+        threaded = GPT(cfg, seed=3, dtype=torch.float64, device="meta")
+        threaded.to_empty(device="cpu")
+        init_weights(threaded, cfg, 3, budget=300_000)  # several runs of parameters
+        assert len(_batches(list(threaded.named_parameters()), 300_000)) > 3
+        for (n, p), (_, q) in zip(serial.named_parameters(), threaded.named_parameters()):
+            assert torch.equal(p, q), n
+        with pytest.raises(KeyError, match="tok_emb.weight"):
+            init_weights(threaded, cfg, 3, state_dict={"norm.weight": torch.ones(cfg.d_model)})
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_causal_and_shapes():
     cfg = preset("tiny")
     model = GPT(cfg, seed=0, dtype=torch.float64)
