@@ -45,32 +45,44 @@ class SharedBatches:
             return self.batch
 
 
-class Prefetch:
-    """On a GPU: this rank's rows of the next step's batch are made on a background thread
-    (as a DataLoader worker would) while the device runs this step, in pinned memory, and
-    copied without blocking the host. Making a batch is host work (the synthetic source
-    walks its chain token by token: milliseconds per step) that would otherwise leave the
-    device idle between steps."""
+class _Rows(torch.utils.data.IterableDataset):
+    """(step, this rank's rows of the step's global batch) for the steps in [start, stop)."""
 
-    def __init__(self, source, n: int, seq_len: int, rows: slice, device: str):
-        from concurrent.futures import ThreadPoolExecutor
-        self.source, self.n, self.seq_len, self.rows, self.device = source, n, seq_len, rows, device
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
-        self.pending: dict = {}
+    def __init__(self, source, n: int, seq_len: int, rows: slice, start: int, stop: int):
+        super().__init__()
+        self.source, self.n, self.seq_len, self.rows, self.start, self.stop = source, n, seq_len, rows, start, stop
+
+    def __iter__(self):
+        for step in range(self.start, self.stop):
+            yield step, self.source.global_batch(step, self.n, self.seq_len)[self.rows]
+
+
+class Prefetch:
+    """On a GPU: this rank's rows of the coming steps' batches are made by a DataLoader worker
+    process while the device runs this step, pinned, and copied without blocking the host.
+    Making a batch is host work in Python (the synthetic source walks its chain token by
+    token: 20-40 ms a step at 1b); on a thread of this process it held the GIL against the
+    thread that issues the kernels, and a host-bound step lost that time (the last step of
+    each run in benchmarks/results/gpu/run16_host, which prefetched nothing, was the fastest
+    by up to a fifth). A process of its own takes it off this one's interpreter, as a
+    DataLoader worker does for any torch training loop."""
+
+    def __init__(self, source, n: int, seq_len: int, rows: slice, device: str, start: int, stop: int):
+        loader = torch.utils.data.DataLoader(_Rows(source, n, seq_len, rows, start, stop), batch_size=None,
+                                             num_workers=1, prefetch_factor=2, pin_memory=device.startswith("cuda"))
+        self.batches, self.device = iter(loader), device
         self.held = None  # the pinned batch of the copy in flight (kept alive until it is done)
 
-    def _make(self, step: int):
-        return self.source.global_batch(step, self.n, self.seq_len)[self.rows].pin_memory()
-
-    def batch(self, step: int, last: int) -> torch.Tensor:
-        future = self.pending.pop(step, None) or self.pool.submit(self._make, step)
-        if step + 1 < last:
-            self.pending[step + 1] = self.pool.submit(self._make, step + 1)
-        self.held = future.result()
+    def batch(self, step: int) -> torch.Tensor:
+        made, self.held = next(self.batches)
+        if made != step:
+            raise RuntimeError(f"prefetch: the worker made step {made}'s batch where step {step}'s was wanted")
         return self.held.to(self.device, non_blocking=True)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the worker (also when the run ends early): the DataLoader's iterator shuts its
+        workers down when it is dropped."""
+        self.batches = None
 
 
 def _device(run: RunConfig) -> str:
@@ -120,7 +132,8 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
     deferred = device.startswith("cuda") and bar is None and not run.save
     losses = []
     mine = slice(dp.rank * rows, (dp.rank + 1) * rows)  # this rank's rows of each global batch
-    prefetch = Prefetch(source, layout.global_batch, cfg.seq_len, mine, device) if device.startswith("cuda") else None
+    prefetch = Prefetch(source, layout.global_batch, cfg.seq_len, mine, device, start, start + run.steps) \
+        if device.startswith("cuda") else None
     for i, step in enumerate(range(start, start + run.steps)):  # (the data is a function of the step)
         t0, blocked0 = time.perf_counter(), world.host_blocked()
         replay = None if run.count_every_step else ("record" if i == 1 else "replay" if i > 1 else None)
@@ -130,7 +143,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
         with torch.profiler.record_function("train.step"), counted:  # counting: on, recorded or replayed
             sim0 = clock.breakdown() if clock else None
             if prefetch is not None:
-                local = prefetch.batch(step, start + run.steps)
+                local = prefetch.batch(step)
             else:
                 batch = source.global_batch(step, layout.global_batch, cfg.seq_len)
                 local = batch[mine].to(device)

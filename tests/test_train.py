@@ -32,3 +32,26 @@ def test_bfloat16_autocast_trains():
                     progress=False)
     res = train(run)
     assert res.losses[-1] < res.losses[0]
+
+
+def test_prefetch_worker_gives_each_step_its_rows_in_order():
+    """The GPU loop's batches come from a DataLoader worker process: each step's rows of
+    the global batch, exactly as the source makes them, in step order; closing it early
+    stops the worker."""
+    import multiprocessing
+
+    from model.data import MarkovSource
+    from playground.training import Prefetch
+    source = MarkovSource(64, seed=4)
+    rows = slice(2, 5)
+    prefetch = Prefetch(source, 6, 16, rows, "cpu", start=3, stop=9)
+    for step in range(3, 7):
+        assert torch.equal(prefetch.batch(step), source.global_batch(step, 6, 16)[rows]), step
+    try:
+        prefetch.batch(8)  # step 7's batch comes next
+    except RuntimeError as e:
+        assert "made step 7's batch where step 8's was wanted" in str(e)
+    else:
+        raise AssertionError("a step out of order was not refused")
+    prefetch.close()
+    assert not [p for p in multiprocessing.active_children() if p.daemon]  # (DataLoader workers are daemons)
