@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
-# Activation checkpointing on 2 GPUs (the measured side of benchmarks/ac_gpu.py): the 1b
-# preset in bf16 under DDP with --ac none / selective / full at growing micro-batches (a
-# run that does not fit ends in an out-of-memory error, logged), and plain PyTorch (torch
-# DDP and FSDP2, benchmarks/gpu_side_by_side.py, the same checkpointing) on the same model
-# and batch beside the playground's DDP and ZeRO-3, the two sides alternating.
+# Activation checkpointing on GPUs (the measured side of benchmarks/ac_gpu.py). With the
+# argument `single`, on one GPU: the 1b preset in bf16 (--bf16-copies, the mixed precision a
+# plan prices) with --ac none / selective / full, each at the largest micro-batch that
+# `playground plan` on the h200 profile fits in 92% of the device's memory (32, 40, 80; if
+# the allocator's fragmentation leaves 32 out of memory, 28 after it), and
+# selective and full at micro-batch 4 beside the one-GPU rows of benchmarks/fidelity.py;
+# named MODEL-acMODE-bMBS_single as fidelity.py reads them. Without it, on 2 GPUs: the
+# 1b preset in bf16 under DDP at growing micro-batches (a run that does not fit ends in an
+# out-of-memory error, logged), and plain PyTorch (torch DDP and FSDP2,
+# benchmarks/gpu_side_by_side.py, the same checkpointing) on the same model and batch beside
+# the playground's DDP and ZeRO-3, the two sides alternating.
 set -uo pipefail
 source benchmarks/gpu_common.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$LOGS/gpus.txt"
+if [ "${1:-}" = single ]; then
+  for r in none:32 none:28 selective:40 full:80 selective:4 full:4; do
+    [ "$r" = none:28 ] && [ -f "$LOGS/1b-acnone-b32_single.json" ] && continue
+    run "1b-ac${r%:*}-b${r#*:}_single" 1 300 train --model 1b --dtype bfloat16 --bf16-copies --steps 8 \
+      --ac "${r%:*}" --micro-batch-size "${r#*:}" --json "$LOGS/1b-ac${r%:*}-b${r#*:}_single.json"
+  done
+  exit 0
+fi
 torch_side() {  # name, args...
   local name=$1; shift
   timeout 240 torchrun --nproc_per_node 2 benchmarks/gpu_side_by_side.py --model 1b --steps 8 \

@@ -5,7 +5,9 @@ other: `torch_MODE_...json` (benchmarks/gpu_side_by_side.py: torch DDP, FSDP2 or
 and `pg_STRATEGY_...json` (`playground train --backend torch --json`) with the same model,
 micro-batch and activation checkpointing; DDP pairs with the playground's DDP, FSDP2 with
 ZeRO-3. Prints per pair the median-step tokens/s of each side, their ratio, MFU and CUDA's
-peak allocated memory. Writes JSON.
+peak allocated memory. Where the same call also ran the playground of an earlier tree
+(`old_...json`, benchmarks/before_after_gpu.sh), its tokens/s and this tree's over it are
+printed beside them. Writes JSON.
 """
 import argparse
 import glob
@@ -41,9 +43,11 @@ def pairs(folders, hardware: str) -> list:
             if not os.path.exists(mine):
                 continue
             p = playground_side(mine, hardware)
+            old = mine.replace(os.sep + "pg_", os.sep + "old_")
             rows.append({"run": os.path.basename(folder), "pair": name, "model": t["model"], "mbs": t["mbs"],
                          "ac": t["ac"], "world": t["world"], "torch": t, "playground": p,
-                         "ratio": p["tokens_per_s"] / t["tokens_per_s"]})
+                         "ratio": p["tokens_per_s"] / t["tokens_per_s"],
+                         "earlier_tree": playground_side(old, hardware) if os.path.exists(old) else None})
     return rows
 
 
@@ -59,13 +63,15 @@ def main() -> None:
     gib = 2 ** 30
     print_table("the playground beside plain PyTorch (bf16, median step; each pair in one GPU call)",
                 ["run", "model", "GPUs", "micro-batch", "ac", "compile", "torch", "tokens/s", "playground", "tokens/s", "ratio",
-                 "MFU torch / playground", "CUDA peak torch / playground"],
+                 "MFU torch / playground", "CUDA peak torch / playground", "earlier tree", "this / earlier"],
                 [[r["run"], r["model"], r["world"], r["mbs"], r["ac"], "yes" if r["torch"].get("compile") else "no",
                   r["torch"]["mode"],
                   f"{r['torch']['tokens_per_s']:,.0f}", PEER[r["torch"]["mode"]],
                   f"{r['playground']['tokens_per_s']:,.0f}", f"{r['ratio']:.2f}",
                   f"{r['torch']['mfu']:.1%} / {r['playground']['mfu']:.1%}",
-                  f"{r['torch']['cuda_peak_allocated'] / gib:.1f} / {r['playground']['cuda_peak_allocated'] / gib:.1f} GiB"]
+                  f"{r['torch']['cuda_peak_allocated'] / gib:.1f} / {r['playground']['cuda_peak_allocated'] / gib:.1f} GiB",
+                  f"{r['earlier_tree']['tokens_per_s']:,.0f}" if r["earlier_tree"] else "-",
+                  f"{r['playground']['tokens_per_s'] / r['earlier_tree']['tokens_per_s']:.2f}" if r["earlier_tree"] else "-"]
                  for r in rows])
     write_json(a.json, {"benchmark": "side_by_side", "rows": rows})
 
