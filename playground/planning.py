@@ -20,8 +20,9 @@ two equal.
 Reported: the step split into compute, exposed communication and idle (waiting for peers:
 a pipeline's bubble shows here) for each class of ranks with identical figures, tokens/s
 and MFU (model FLOPs per token × tokens/s over world × peak bf16), memory by category per
-class against the profile's HBM with the overshoot of any that would not fit, and the bytes
-each rank moves per step by label.
+class against the profile's HBM with the overshoot of any that would not fit (and `tight`
+where a peak leaves less of it free than the allocator's headroom: playground/fits.py), and
+the bytes each rank moves per step by label.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from pipeline import fewest_microbatches
 from simulator import MemoryTracker, SimulatedTime, load_hardware
 from simulator.cost_model import placement
 
+from .fits import DEFAULT_HEADROOM, fits, verdict
 from .parallelize import data_parallel_group, expert_mesh_axes, parallelize
 from .report import _rank_ranges, bytes_per_step, table
 
@@ -162,7 +164,7 @@ def _classes(rows: list) -> list:
     return sorted(((ranks, list(row)) for row, ranks in out.items()), key=lambda x: x[0][0])
 
 
-def summary(p: Plan) -> str:
+def summary(p: Plan, headroom: float = DEFAULT_HEADROOM) -> str:
     run, cfg, layout = p.run, p.run.model, p.run.layout
     hw = load_hardware(run.hardware)
     lines = [f"\nplayground plan: {layout.describe()}, model {cfg.n_params():,} parameters (d_model {cfg.d_model}, "
@@ -186,12 +188,13 @@ def summary(p: Plan) -> str:
     rows = []
     for v in p.values:
         m = v["memory"]
-        over = m["peak_total"] - cap
         rows.append([human_bytes(m["parameters"]), human_bytes(m["gradients"]), human_bytes(m["optimizer"]),
                      human_bytes(m["peak_activations"]), human_bytes(m["peak_comm_buffers"]),
                      human_bytes(m["peak_total"]), f"{100 * m['peak_total'] / cap:.1f}%",
-                     f"OOM by {human_bytes(over)}" if over > 0 else "fits"])
-    lines.append(f"\nmemory per class of ranks (peaks; {human_bytes(cap)} of HBM on {run.hardware}):")
+                     verdict(m["peak_total"], hw, headroom)])
+    lines.append(f"\nmemory per class of ranks (peaks; {human_bytes(cap)} of HBM on {run.hardware}, of which "
+                 f"{100 * (1 - headroom):.0f}% fits: the rest is the caching allocator's and the CUDA context's, "
+                 f"--memory-headroom):")
     lines.append(table(["ranks", "parameters", "gradients", "optimizer", "activations", "comm buffers", "peak total",
                         "of HBM", ""], [[_rank_ranges(r), *row] for r, row in _classes(rows)], left=1))
     lines.append("\ncommunication per rank per step (planned):")
@@ -199,12 +202,13 @@ def summary(p: Plan) -> str:
     return "\n".join(lines)
 
 
-def plan_json(p: Plan) -> dict:
+def plan_json(p: Plan, headroom: float = DEFAULT_HEADROOM) -> dict:
     from .summary import SCHEMA_VERSION, _run_json, communication
     hw = load_hardware(p.run.hardware)
     return {"schema": f"playground.plan/{SCHEMA_VERSION}", **_run_json(p.run), "step_s": p.step_s,
-            "tokens_per_s": p.tokens_per_s, "mfu": p.mfu, "hbm": hw.hbm_capacity, "wall_s": p.wall_s,
+            "tokens_per_s": p.tokens_per_s, "mfu": p.mfu, "hbm": hw.hbm_capacity, "memory_headroom": headroom,
+            "wall_s": p.wall_s,
             "by_classes": p.by_classes,
             "per_rank": [{"rank": r, **{f"{k}_s": x for k, x in v["step"].items()}, "memory": v["memory"],
-                          "fits": v["memory"]["peak_total"] <= hw.hbm_capacity} for r, v in enumerate(p.values)],
+                          "fits": fits(v["memory"]["peak_total"], hw, headroom)} for r, v in enumerate(p.values)],
             "communication": communication(p.ledger, 2)}

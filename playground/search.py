@@ -17,7 +17,8 @@ full. Axes the caller fixes (`fixed`) are not searched.
 Each candidate is first held to `Layout.validate` and to a lower bound of its memory (the
 model states alone: bf16 weights and gradients, fp32 master weights and moments, split by
 tp·pp and sharded by ZeRO over dp·cp); the survivors are estimated (`estimate`), and one
-whose peak exceeds the profile's HBM is rejected with its peak. Checkpointing modes are
+whose peak exceeds the profile's HBM less the allocator's headroom (playground/fits.py: 12%
+by default) is rejected with its peak. Checkpointing modes are
 tried in the order none, selective, full, and a layout that fits with one is not tried
 with the next: recomputation only adds time. The `exact` fastest that fit are then
 planned in full (`planning.plan`), so the layouts the search prints are plans, not
@@ -60,6 +61,7 @@ from tqdm import tqdm
 
 from simulator import load_hardware
 
+from .fits import DEFAULT_HEADROOM, usable
 from .layout import Layout, LayoutError, divisors
 from .planning import plan
 
@@ -206,11 +208,14 @@ class SearchResult:
     wall_s: float = 0.0
 
 
-def search(run, world: int, global_batch: int, fixed: dict | None = None, exact: int = 3) -> SearchResult:
+def search(run, world: int, global_batch: int, fixed: dict | None = None, exact: int = 3,
+           headroom: float = DEFAULT_HEADROOM) -> SearchResult:
     """Estimate every candidate layout of `run` (its model, dtype and hardware) on `world`
-    ranks with `global_batch` sequences per step; plan the `exact` fastest that fit in full."""
+    ranks with `global_batch` sequences per step; plan the `exact` fastest that fit in full.
+    A layout fits when its peak leaves `headroom` of the HBM free (playground/fits.py)."""
     t0 = time.perf_counter()
     hw = load_hardware(run.hardware)
+    cap = usable(hw, headroom)
     res = SearchResult()
     fitted: set = set()  # layouts (without their checkpointing) that fit with less recomputation
     layouts = candidates(run.model, world, global_batch, hw.gpus_per_node, fixed)
@@ -228,15 +233,15 @@ def search(run, world: int, global_batch: int, fixed: dict | None = None, exact:
             res.rejected.append((layout, "invalid layout", str(e)))
             continue
         bound = model_states_bound(run.model, layout)
-        if bound > hw.hbm_capacity:
+        if bound > cap:
             res.rejected.append((layout, "model states exceed HBM", f"model states alone {bound / 2**30:.1f} GiB > "
-                                 f"{hw.hbm_capacity / 2**30:.1f} GiB of HBM"))
+                                 f"{_of_hbm(hw, headroom)}"))
             continue
         e = estimate(replace(run, layout=layout))
         res.estimated += 1
         res.planned += e.plans
-        if e.peak > hw.hbm_capacity:
-            res.rejected.append((layout, "planned peak exceeds HBM", _over(e, hw)))
+        if e.peak > cap:
+            res.rejected.append((layout, "planned peak exceeds HBM", _over(e, hw, headroom)))
             continue
         res.fits.append(e)
         fitted.add(replace(layout, ac="none"))
@@ -249,8 +254,8 @@ def search(run, world: int, global_batch: int, fixed: dict | None = None, exact:
         if not e.exact:
             res.planned += 1
             e = Estimate.planned(plan(replace(run, layout=e.layout)), e.plans + 1)
-            if e.peak > hw.hbm_capacity:
-                res.rejected.append((e.layout, "planned peak exceeds HBM", _over(e, hw)))
+            if e.peak > cap:
+                res.rejected.append((e.layout, "planned peak exceeds HBM", _over(e, hw, headroom)))
                 continue
         confirmed.append(e)
     res.fits = sorted(confirmed, key=lambda e: e.step_s) + rest
@@ -259,9 +264,13 @@ def search(run, world: int, global_batch: int, fixed: dict | None = None, exact:
     return res
 
 
-def _over(e: Estimate, hw) -> str:
+def _of_hbm(hw, headroom: float) -> str:
+    return f"{usable(hw, headroom) / 2**30:.1f} GiB usable ({1 - headroom:.0%} of {hw.hbm_capacity / 2**30:.1f} GiB of HBM)"
+
+
+def _over(e: Estimate, hw, headroom: float) -> str:
     what = "planned" if e.exact else "estimated"
-    return f"{what} peak {e.peak / 2**30:.1f} GiB > {hw.hbm_capacity / 2**30:.1f} GiB of HBM"
+    return f"{what} peak {e.peak / 2**30:.1f} GiB > {_of_hbm(hw, headroom)}"
 
 
 def search_summary(res: SearchResult, run, top: int = 10) -> str:

@@ -124,3 +124,19 @@ def test_a_plan_leaves_nothing_behind(axes):
         assert p.step_s > 0
         del p
     assert alive() == before
+
+
+def test_a_peak_fits_when_it_leaves_the_allocator_headroom_free():
+    """playground/fits.py: 12% of HBM is kept for the caching allocator by default; a peak
+    inside HBM but above the rest is 'tight' and does not fit; --memory-headroom moves it."""
+    from types import SimpleNamespace
+
+    from playground.fits import fits, verdict
+    hw = SimpleNamespace(hbm_capacity=100 * 2**30)
+    assert verdict(80 * 2**30, hw) == "fits" and fits(88 * 2**30, hw)
+    assert verdict(90 * 2**30, hw) == "tight (over 88%)" and not fits(90 * 2**30, hw)
+    assert verdict(101 * 2**30, hw) == "OOM by 1.00 GiB"
+    assert verdict(90 * 2**30, hw, headroom=0.05) == "fits"
+    p = subprocess.run([sys.executable, "-m", "playground", "plan", "--model", "tiny", "--hardware", "h100-sxm",
+                        "--memory-headroom", "1"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "--memory-headroom 1.0: give the share" in p.stderr

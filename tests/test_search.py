@@ -46,7 +46,7 @@ def test_search_ranks_what_fits_and_says_why_the_rest_did_not(tmp_path):
     hw = tmp_path / "tiny.json"
     hw.write_text(json.dumps(small_hbm))
     run = RunConfig(model=CFG, dtype="bfloat16", hardware=str(hw), progress=False)
-    res = search(run, 4, 4, fixed={"tp": 1, "micro_batch_size": 1})
+    res = search(run, 4, 4, fixed={"tp": 1, "micro_batch_size": 1}, headroom=0.0)
     kinds = {kind for _, kind, _ in res.rejected}
     assert res.fits and "planned peak exceeds HBM" in kinds and "model states exceed HBM" in kinds
     steps = [e.step_s for e in res.fits]
@@ -59,6 +59,12 @@ def test_search_ranks_what_fits_and_says_why_the_rest_did_not(tmp_path):
     fits = {e.layout for e in res.fits}
     assert not any(lay.ac != "none" and lay.__class__(**{**lay.to_dict(), "ac": "none"}) in fits for lay in fits)
     assert "dominated" in kinds
+    # the allocator's headroom (playground/fits.py): what fits leaves 12% of the HBM free, and
+    # layouts that fit the whole of it are rejected, saying so
+    kept = search(run, 4, 4, fixed={"tp": 1, "micro_batch_size": 1})
+    assert kept.fits and all(e.peak <= 0.88 * 400_000 for e in kept.fits)
+    lost = [why for lay, _, why in kept.rejected if lay in fits]
+    assert lost and all("usable (88% of" in why for why in lost)
 
 
 @pytest.mark.parametrize("axes", [dict(dp=2, zero=1, microbatches=8), dict(dp=2, zero=3, micro_batch_size=2, microbatches=4),
