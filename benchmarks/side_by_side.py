@@ -29,7 +29,9 @@ def playground_side(path: str, hardware: str) -> dict:
     m = json.load(open(path))
     cfg = GPTConfig(**{k: v for k, v in m["model"].items() if k != "n_params"})
     tokens, world = m["throughput"]["tokens_per_s"], m["layout"]["world"]
-    return {"tokens_per_s": tokens, "cuda_peak_allocated": max(r.get("cuda_peak_allocated", 0) for r in m["memory"]),
+    strategy = (f"zero{m['layout']['zero']}" if m["layout"]["zero"] else "ddp" if world > 1 else "single") + \
+        (" + bf16 copies" if m["run"].get("bf16_copies") else "")
+    return {"tokens_per_s": tokens, "strategy": strategy, "cuda_peak_allocated": max(r.get("cuda_peak_allocated", 0) for r in m["memory"]),
             "mfu": cfg.mfu(tokens, world, load_hardware(hardware).peak_bf16_flops)}
 
 
@@ -66,7 +68,7 @@ def main() -> None:
                  "MFU torch / playground", "CUDA peak torch / playground", "earlier tree", "this / earlier"],
                 [[r["run"], r["model"], r["world"], r["mbs"], r["ac"], "yes" if r["torch"].get("compile") else "no",
                   r["torch"]["mode"],
-                  f"{r['torch']['tokens_per_s']:,.0f}", PEER[r["torch"]["mode"]],
+                  f"{r['torch']['tokens_per_s']:,.0f}", r["playground"]["strategy"],
                   f"{r['playground']['tokens_per_s']:,.0f}", f"{r['ratio']:.2f}",
                   f"{r['torch']['mfu']:.1%} / {r['playground']['mfu']:.1%}",
                   f"{r['torch']['cuda_peak_allocated'] / gib:.1f} / {r['playground']['cuda_peak_allocated'] / gib:.1f} GiB",
