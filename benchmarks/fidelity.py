@@ -14,7 +14,12 @@ H200: 1b and 350m under ZeRO-3 at dp 1, measured after the engine stopped keepin
 parameter shard and its gradient shards through the forward; the 2-GPU ZeRO-3 runs of
 run15 measured the engine before that and are listed, not compared: `SUPERSEDED`),
 run26_zero_units (the same two again, after the embedding and the head became ZeRO units of
-their own: they take the place of run22's)), plans the same model and
+their own: they take the place of run22's), run27_one_gpu (one H200, after the initialisation
+on threads and the batches from a DataLoader worker: 1b and 350m on one GPU and under ZeRO-3
+at dp 1 again, taking the place of the earlier ones; and 1b under each activation
+checkpointing mode at micro-batch 4 and at the largest the plan fits), run28_before_after
+(selective checkpointing at 32) and run30_expandable (the two that ran out of memory in run27,
+with torch's expandable segments)), plans the same model and
 layout on that profile (simulator/profiles/h200.json) and prints, per layout: the measured median step (steps after the first) against
 the planned step, and the measured CUDA peak (`torch.cuda.max_memory_allocated`, the
 largest over the ranks) against the planned peak, with the relative error of each; and the
@@ -44,7 +49,8 @@ from playground.planning import plan  # noqa: E402
 
 GPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu")
 MEASURED = [os.path.join(GPU, name) for name in ("run13_kernels", "run14_side_by_side", "run15_fidelity",
-                                                  "run16_host", "run19_unfused", "run20_dropout", "run22_zero3_w1", "run26_zero_units")]
+                                                  "run16_host", "run19_unfused", "run20_dropout", "run22_zero3_w1", "run26_zero_units",
+                                                  "run27_one_gpu", "run28_before_after", "run30_expandable")]
 # runs of code that has changed since: a plan prices the code as it is, so these are not compared
 SUPERSEDED = {
     "1b_zero3": "ZeRO-3 then kept a bf16 parameter shard and its gradient shards through the forward (4Ψ/N more)",
@@ -86,14 +92,14 @@ def main() -> None:
     ap.add_argument("--json", default=default_json("fidelity"))
     a = ap.parse_args()
     runs = {os.path.basename(f): f for d in a.measured for f in sorted(glob.glob(os.path.join(d, "*.json")))
-            if "layout" in json.load(open(f)) and not os.path.basename(f).startswith("pg_")}  # (side-by-side runs)
+            if "layout" in json.load(open(f)) and not os.path.basename(f).startswith(("pg_", "old_"))}  # (side-by-side runs)
     stale = {k: runs.pop(k) for k in sorted(runs) if k[:-5] in SUPERSEDED}
     rows = [compare(runs[k], a.hardware) for k in sorted(runs)]
     if not rows:
         sys.exit(f"fidelity: no train JSON in {a.measured}")
     within = sum(abs(r["step_error"]) <= 0.10 for r in rows), sum(
         r["memory_error"] is not None and abs(r["memory_error"]) <= 0.10 for r in rows)
-    print_table(f"bf16 on 2× H200: planned on {a.hardware} against measured (median step; CUDA peak allocated); "
+    print_table(f"bf16 on one and two H200s: planned on {a.hardware} against measured (median step; CUDA peak allocated); "
                 f"within 10%: step {within[0]}/{len(rows)}, memory {within[1]}/{len(rows)}",
                 ["run", "measured in", "measured step", "planned step", "error", "compute", "host", "exposed comm", "idle",
                  "host's own: measured", "planned", "CUDA peak", "planned peak", "error"],
