@@ -15,9 +15,7 @@ with expandable segments. Under 12%, a layout is `tight`: it may run, and may no
 """
 from __future__ import annotations
 
-from collectives.ledger import human_bytes
-
-DEFAULT_HEADROOM = 0.12
+DEFAULT_HEADROOM = 0.12  # (this module imports nothing at the top: the command's --help reads it without torch)
 
 
 def usable(hw, headroom: float = DEFAULT_HEADROOM) -> float:
@@ -31,6 +29,7 @@ def fits(peak: float, hw, headroom: float = DEFAULT_HEADROOM) -> bool:
 
 def verdict(peak: float, hw, headroom: float = DEFAULT_HEADROOM) -> str:
     """'fits', 'tight' (within HBM, not within its usable part) or 'OOM by ...'."""
+    from collectives.ledger import human_bytes
     if peak > hw.hbm_capacity:
         return f"OOM by {human_bytes(peak - hw.hbm_capacity)}"
     return "fits" if fits(peak, hw, headroom) else f"tight (over {1 - headroom:.0%})"
