@@ -65,7 +65,9 @@ class Prefetch:
     thread that issues the kernels, and a host-bound step lost that time (the last step of
     each run in benchmarks/results/gpu/run16_host, which prefetched nothing, was the fastest
     by up to a fifth). A process of its own takes it off this one's interpreter, as a
-    DataLoader worker does for any torch training loop."""
+    DataLoader worker does for any torch training loop. Measured against the thread on one
+    H200 (benchmarks/results/gpu/run27_one_gpu, run28_before_after): tokens/s the same
+    within the run-to-run spread of host-bound steps there (README, "Performance")."""
 
     def __init__(self, source, n: int, seq_len: int, rows: slice, device: str, start: int, stop: int):
         loader = torch.utils.data.DataLoader(_Rows(source, n, seq_len, rows, start, stop), batch_size=None,
