@@ -97,9 +97,17 @@ def test_the_world_estimate_names_the_largest_world_that_fits():
 
 
 # -- interrupts and processes ---------------------------------------------------------------
+def _terminal_sigint():
+    """In the child: Ctrl-C's default disposition, as a terminal gives it. A shell starts a
+    background job (`.ci/run &`) with SIGINT ignored, and its children inherit that, so
+    without this the tests below would see an interrupt ignored that a user never would."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_a_simulated_run_with_one_line_and_status_130():
     p = subprocess.Popen([sys.executable, "-m", "playground", "train", "--world", "4", "--steps", "100000",
-                          "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=_terminal_sigint)
     time.sleep(4)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=20)
@@ -135,7 +143,7 @@ def test_gloo_ranks_die_with_their_launcher_and_the_folder_goes(how):
     before = set(glob.glob(os.path.join(os.environ.get("TMPDIR", "/tmp"), "playground-gloo-*")))
     p = subprocess.Popen([sys.executable, "-m", "playground", "train", "--backend", "gloo", "--world", "2",
                           "--steps", "100000", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)
+                         text=True, start_new_session=True, preexec_fn=_terminal_sigint)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         kids = _children(p.pid)
