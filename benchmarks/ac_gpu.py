@@ -75,8 +75,8 @@ def main() -> None:
     rows = [row(f, a.hardware) for f in logs]
     gib = 2 ** 30
 
-    def error(r, planned, measured):
-        return f"{planned / measured - 1:+.0%}" if r["measured"] else "-"
+    def error(planned, measured):
+        return f"{planned / measured - 1:+.0%}"
     print_table(f"1b, bf16, activation checkpointing: measured on {rows[0]['ranks'] if rows else '?'} H200 and planned "
                 f"on {a.hardware}",
                 ["ac", "micro-batch", "measured tokens/s", "MFU", "CUDA peak", "planned tokens/s", "step error",
@@ -86,9 +86,9 @@ def main() -> None:
                   f"{r['measured']['mfu']:.1%}" if r["measured"] else "-",
                   f"{r['measured']['cuda_peak_allocated'] / gib:.2f} GiB" if r["measured"] else "-",
                   f"{r['planned']['tokens_per_s']:,.0f}",
-                  error(r, r["planned"]["step_s"], r["measured"]["step_s"]) if r["measured"] else "-",
+                  error(r["planned"]["step_s"], r["measured"]["step_s"]) if r["measured"] else "-",
                   f"{r['planned']['peak_total'] / gib:.2f} GiB",
-                  error(r, r["planned"]["peak_total"], r["measured"]["cuda_peak_allocated"])
+                  error(r["planned"]["peak_total"], r["measured"]["cuda_peak_allocated"])
                   if r["measured"] and r["memory_compared"] else "-",
                   f"{r['planned']['peak_activations'] / gib:.2f} GiB"]
                  for r in rows])

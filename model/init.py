@@ -39,7 +39,6 @@ def init_full_parameter(name: str, shape, config: GPTConfig, seed: int) -> torch
     return torch.randn(shape, generator=g, dtype=torch.float64) * std
 
 
-@torch.no_grad()
 def init_weights(model, config: GPTConfig, seed: int, state_dict: dict | None = None,
                  budget: int = 2 << 30) -> None:
     """Fill every parameter of `model` (the reference GPT, possibly pruned or with swapped
@@ -52,7 +51,7 @@ def init_weights(model, config: GPTConfig, seed: int, state_dict: dict | None = 
         name, p = item
         pl = placement_of(name, p)
         full = state_dict[pl.name] if state_dict is not None else init_full_parameter(pl.name, pl.shape, config, seed)
-        with torch.no_grad():  # (a pool thread starts with gradients enabled)
+        with torch.no_grad():  # (here, not around the caller: a pool thread starts with gradients enabled)
             p.copy_(pl.local(full))
 
     params = list(model.named_parameters())
