@@ -21,7 +21,10 @@ class GPTConfig:
     moe_every: int = 1  # every k-th block is an MoE block (blocks k-1, 2k-1, ...)
     top_k: int = 2
     capacity_factor: float = 1.0  # expert slots per token group: ceil(cf·k·T/E); 0: dropless
-    renormalize_gates: bool = True  # the chosen k gates renormalised to sum to one
+    # the chosen k gates renormalised to sum to one (GShard's top-2, Mixtral); None: when
+    # top_k > 1, since with k = 1 the one gate would be exactly 1 and the router would learn
+    # from the auxiliary losses only (Switch Transformer gates its one expert by the raw probability)
+    renormalize_gates: bool | None = None
     aux_loss_coef: float = 0.01  # Switch's load-balancing loss α
     z_loss_coef: float = 0.001  # ST-MoE's router z-loss
     # the attention kernel (model/gpt.py): "flash" (SDPA's fused kernel: the s×s scores stay on
@@ -53,6 +56,11 @@ class GPTConfig:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if (self.d_model // self.n_heads) % 2:
             raise ValueError(f"head dim {self.d_model // self.n_heads} must be even for rotary embeddings")
+
+    @property
+    def renormalizes(self) -> bool:
+        """Whether the top-k gates are renormalised (renormalize_gates, or top_k > 1 when None)."""
+        return self.top_k > 1 if self.renormalize_gates is None else self.renormalize_gates
 
     @property
     def head_dim(self) -> int:

@@ -2,8 +2,11 @@
 place of a block's MLP (Shazeer et al. 2017; Lepikhin et al. 2020, GShard; Fedus et al.
 2021, Switch Transformer; Zoph et al. 2022, ST-MoE).
 
-Router: a linear layer to E logits, softmax in (at least) float32, the top k experts of each token,
-their gates renormalised to sum to one (configurable). Experts: E SwiGLU MLPs, their
+Router: a linear layer to E logits, softmax in (at least) float32, the top k experts of each
+token (`choose`: the discrete decision), their gates (`routing`): with k > 1 renormalised to
+sum to one (GShard, Mixtral), with k = 1 the raw probability (Switch Transformer: a gate
+renormalised alone is exactly 1 and gives the router no gradient from the task), either
+configurable (`renormalize_gates`). Experts: E SwiGLU MLPs, their
 weights stacked along a leading expert dimension (`experts.w_gate` is (E, d_ff, d)), so
 expert parallelism shards them by an index range.
 
@@ -14,7 +17,9 @@ ranked by the token's choice (first choices before second), then by router proba
 (highest first), then by position in the group; those past C are dropped: the token gets
 nothing from that expert (with every choice dropped it passes through the residual only).
 The one-device reference is given the same groups (`TokenGroups`), so every layout is
-exactly comparable.
+exactly comparable; where its decision and a layout's differ only by a near-tie (the two
+sides' logits differ in their last bits), the equivalence check has it replay the
+layout's decision (`Replay`) and reports it.
 
 Auxiliary losses, part of the training loss: Switch's load-balancing α · E · Σ_i f_i · P_i,
 f_i the fraction of the (pre-drop) assignments routed to expert i, counted over every
@@ -63,6 +68,26 @@ class MoEStats:
     routed: list = field(default_factory=list)  # per expert, this rank's pre-drop assignments
     assignments: int = 0
     dropped: int = 0
+    # a layout's rank with `record` set: (probs, Decision) of each call, in microbatch order
+    decisions: list = field(default_factory=list)
+    # the check's reference (`Replay`): groups whose own decision differed from the layout's by a
+    # near-tie and took the layout's, the assignments that differed, and differences beyond a tie
+    ties: int = 0
+    tied: int = 0
+    mismatches: list = field(default_factory=list)
+
+
+@dataclass
+class Replay:
+    """The layout's routing of one step, for the check's reference (docs/architecture.md,
+    "The mixture-of-experts reference"): `groups[(row group, sequence group)]` is the
+    (probs, Decision) the layout's rank computed for that token group; `tolerance` the
+    largest probability difference that counts as rounding. Where the reference decides
+    otherwise, it takes the layout's decision when that decision is what the routing rule
+    gives on the layout's probabilities and those are within `tolerance` of its own (a tie
+    broken the other way by rounding); otherwise it keeps its own and records a mismatch."""
+    groups: dict
+    tolerance: float
 
 
 class _AddAuxLoss(torch.autograd.Function):
@@ -116,30 +141,70 @@ def _balanced(probs, T: int, c) -> Routing:
                    counts, torch.full((E,), per, dtype=torch.long), T * k - n)
 
 
-def route(logits, c) -> tuple:
-    """(probs, Routing) of one token group from its router logits (T, E)."""
-    T, E, k = logits.shape[0], c.n_experts, c.top_k
-    probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    if logits.is_meta:
-        return probs, _balanced(probs, T, c)
+@dataclass
+class Decision:
+    """One token group's discrete routing: what the probabilities decide, apart from the
+    gates they give (`routing`)."""
+    experts: torch.Tensor  # (T, k) each token's experts, in choice order
+    kept: torch.Tensor  # (N,) the assignments a = t·k + j within the capacity, expert-major in priority order
+
+    def same(self, other: "Decision") -> bool:
+        return torch.equal(self.experts, other.experts) and torch.equal(self.kept, other.kept)
+
+    def differing(self, other: "Decision") -> int:
+        """Kept assignments (token, expert, choice) that one decision has and the other has
+        not, counted once per change (0: the same assignments in another order)."""
+        def kept(d):
+            k = d.experts.shape[1]
+            return set(zip((d.kept // k).tolist(), d.experts.reshape(-1)[d.kept].tolist(), (d.kept % k).tolist()))
+        if self.experts.shape != other.experts.shape:
+            return max(self.kept.numel(), other.kept.numel())
+        return (len(kept(self) ^ kept(other)) + 1) // 2
+
+
+def choose(probs, c) -> Decision:
+    """The top-k experts of each token (T, E probabilities) and, per expert, the assignments
+    within its capacity: ranked by the token's choice, then probability (high first), then
+    position in the group."""
+    T, E, k = probs.shape[0], c.n_experts, c.top_k
     top, expert = probs.topk(k, dim=-1)  # (T, k)
-    gates = top / top.sum(dim=-1, keepdim=True) if c.renormalize_gates else top
-    e, g = expert.reshape(-1), gates.reshape(-1)  # assignment a = t·k + j
-    p, choice = top.reshape(-1), torch.arange(k, device=logits.device).repeat(T)
-    # priority within an expert: choice, then probability (high first), then position
-    order = torch.arange(T * k, device=logits.device)
+    e, p = expert.reshape(-1), top.reshape(-1)  # assignment a = t·k + j
+    choice = torch.arange(k, device=probs.device).repeat(T)
+    order = torch.arange(T * k, device=probs.device)
     for key in (-p, choice, e):  # stable sorts, least significant key first
         order = order[torch.sort(key[order], stable=True).indices]
-    routed = torch.bincount(e, minlength=E)
     cap = capacity(c, T)
     if cap is None:
-        kept = order
-    else:
-        starts = torch.cumsum(routed, 0) - routed
-        rank = torch.arange(T * k, device=logits.device) - starts[e[order]]
-        kept = order[rank < cap]
-    counts = torch.bincount(e[kept], minlength=E)
-    return probs, Routing(kept // k, g[kept], counts, routed, T * k - kept.numel())
+        return Decision(expert, order)
+    routed = torch.bincount(e, minlength=E)
+    starts = torch.cumsum(routed, 0) - routed
+    rank = torch.arange(T * k, device=probs.device) - starts[e[order]]
+    return Decision(expert, order[rank < cap])
+
+
+def routing(probs, decision: Decision, c) -> Routing:
+    """The group's Routing under `decision`, its gates taken from `probs` (differentiable):
+    each chosen expert's probability, renormalised over the token's k choices when the
+    config says so (`GPTConfig.renormalizes`)."""
+    T, E, k = probs.shape[0], c.n_experts, c.top_k
+    top = probs.gather(1, decision.experts)
+    gates = top / top.sum(dim=-1, keepdim=True) if c.renormalizes else top
+    e, kept = decision.experts.reshape(-1), decision.kept
+    return Routing(kept // k, gates.reshape(-1)[kept], torch.bincount(e[kept], minlength=E),
+                   torch.bincount(e, minlength=E), T * k - kept.numel())
+
+
+def router_probs(logits):
+    """Softmax of the router logits, in at least float32."""
+    return torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+
+
+def route(logits, c) -> tuple:
+    """(probs, Routing) of one token group from its router logits (T, E)."""
+    probs = router_probs(logits)
+    if logits.is_meta:
+        return probs, _balanced(probs, logits.shape[0], c)
+    return probs, routing(probs, choose(probs, c), c)
 
 
 def _value(x) -> float:
@@ -163,6 +228,8 @@ class MoE(nn.Module):
         self.stats = MoEStats()
         self.index = None  # the block it sits in
         self.recomputing = False  # activation checkpointing runs the forward again: record nothing
+        self.record = False  # a layout's rank under the check: keep each call's (probs, Decision)
+        self.replay: Replay | None = None  # the check's reference: the layout's decisions this step
 
     # -- one token group -------------------------------------------------------------------
     def _apply_experts(self, x, counts):
@@ -175,6 +242,41 @@ class MoE(nn.Module):
         y = self._apply_experts(x[routing.tokens], routing.counts)
         out = x.new_zeros(x.shape, dtype=y.dtype)  # (under autocast the experts' dtype, as a dense MLP's)
         return out.index_add(0, routing.tokens, y * routing.gates.unsqueeze(-1).to(y.dtype))
+
+    def _route(self, logits):
+        """route(), keeping the decision when recording (a layout's rank under the check)."""
+        if not self.record or logits.is_meta:
+            return route(logits, self.config)
+        probs = router_probs(logits)
+        decision = choose(probs, self.config)
+        if not self.recomputing:
+            self.stats.decisions.append((probs.detach().to("cpu", copy=True),
+                                         Decision(decision.experts.cpu(), decision.kept.cpu())))
+        return probs, routing(probs, decision, self.config)
+
+    def _replayed(self, logits, cell):
+        """The reference's routing of one token group under `self.replay` (see `Replay`)."""
+        c = self.config
+        if logits.is_meta:
+            return route(logits, c)
+        probs = router_probs(logits)
+        own = choose(probs, c)
+        theirs = self.replay.groups.get(cell) if self.replay is not None else None
+        if theirs is None or own.same(theirs[1]):
+            return probs, routing(probs, own, c)
+        their_probs, decision = theirs
+        gap = (their_probs.double() - probs.detach().cpu().double()).abs().max().item() \
+            if their_probs.shape == probs.shape else float("inf")
+        if gap <= self.replay.tolerance and choose(their_probs, c).same(decision) and not self.recomputing:
+            self.stats.ties += 1
+            self.stats.tied += own.differing(decision)
+            return probs, routing(probs, Decision(decision.experts.to(probs.device), decision.kept.to(probs.device)), c)
+        if not self.recomputing:
+            why = f"probabilities {gap:.1e} apart" if gap > self.replay.tolerance else \
+                "the layout's decision is not what its own probabilities give"
+            self.stats.mismatches.append(f"block {self.index}, token group {cell}: {own.differing(decision)} "
+                                         f"assignments routed otherwise ({why})")
+        return probs, routing(probs, own, c)
 
     def _losses(self, logits, probs, frac):
         """α · E · Σ f_i P_i and β · mean(logsumexp²) of one group; frac: f (E,)."""
@@ -201,7 +303,7 @@ class MoE(nn.Module):
             b, s, d = x.shape
             flat = x.reshape(b * s, d)
             logits = self.router(flat)
-            probs, r = route(logits, c)
+            probs, r = self._route(logits)
             total = r.routed.clone()  # (on meta: the balanced counts, on the CPU)
             if self.stats_group is not None:
                 self.stats_group.all_reduce(total, label="moe.aux_counts")
@@ -215,14 +317,14 @@ class MoE(nn.Module):
         """The whole batch as the layout's ranks would route it: every (row group, sequence
         group) is a token group; f_i counted over the groups of the same microbatch; the
         auxiliary losses averaged over the groups (each group has as many tokens)."""
-        c, gr = self.config, self.groups
+        gr = self.groups
         out = None
-        cells = [(rows, seq) for rows in range(len(gr.rows)) for seq in gr.seqs]
+        cells = [(rows, h, seq) for rows in range(len(gr.rows)) for h, seq in enumerate(gr.seqs)]
         routed, stats = [], {}
-        for g, seq in cells:
+        for g, h, seq in cells:
             xs = x[gr.rows[g]][:, seq]
             logits = self.router(xs.reshape(-1, xs.shape[-1]))
-            probs, r = route(logits, c)
+            probs, r = self._replayed(logits, (g, h))
             routed.append((g, seq, xs, logits, probs, r))
             stats[gr.stats[g]] = stats.get(gr.stats[g], 0) + r.routed
         aux_total = z_total = 0

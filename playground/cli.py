@@ -219,13 +219,20 @@ def _model_config(text) -> dict:
         key = key.strip()
         if key not in types or not value:
             raise ValueError(f"--model-config {item!r}: give key=value with a key among {sorted(types)}")
-        kind = {"int": int, "float": float, "str": str,
-                "bool": lambda v: v.lower() in ("1", "true", "yes")}[str(types[key])]
+        kind = {"int": int, "float": float, "str": str}.get(str(types[key]), _flag)  # (bool, bool | None)
         try:
             out[key] = kind(value)
         except ValueError:
             raise ValueError(f"--model-config {key}={value}: not a {types[key]}") from None
     return out
+
+
+def _flag(text: str) -> bool:
+    """A boolean --model-config value: true/false, yes/no or 1/0."""
+    value = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}.get(text.lower())
+    if value is None:
+        raise ValueError(f"{text!r} is not true or false")
+    return value
 
 
 def _stage_layers(text):

@@ -1,18 +1,28 @@
 """The equivalence check (docs/architecture.md, Contract 5).
 
-The reference model runs on one rank in float64 on the same global batches; the layout
-runs in its own dtype. Compared: the loss of every step, every gradient after the first
-backward, every weight after the last optimizer step — each gathered to full tensors from
-the pieces every rank holds (Contract 4), with replicas checked for agreement.
-Errors: max |layout − reference| (abs) and a relative error (rel): for the loss and the
-gradients, over max |reference|; for the weights, over the largest change the reference
-made to that tensor in its k steps (max |w_k − w_0|). Weights are judged against their
-update because AdamW divides by √v: an element whose gradient is near eps, computed with
-cancellation, turns float32 rounding of the gradient into an error of up to a few 1e-3
-of one update even on a single device (dp=1, measured), while a sharding bug shows as
-an error of the order of the whole update. The check fails if a rel error exceeds the
-dtype's tolerance. bfloat16 weights after AdamW differ from float64 by about the whole
-update on any layout, so they are reported but not judged: prove a layout in float64.
+The layout trains k AdamW steps in its own dtype, recording the state each step starts
+from (weights and moments) and each step's gradients, gathered to full tensors from the
+pieces every rank holds (Contract 4; replicas must agree bitwise). Its initial weights
+must be exactly the reference's (each a slice of the tensor generated from (seed, name)).
+Then the reference model runs on one rank in float64, every step from the layout's own
+state before that step, on the same global batch, and the two are compared: the loss and
+every gradient of each step, and every weight and both AdamW moments after it. Taking each
+step from the same state keeps the comparison at one step's rounding: two runs that start
+equal drift apart by rounding amplified through AdamW (an element with a tiny gradient is
+divided by √v + eps), and that drift says nothing about the layout.
+
+Each quantity is judged against a tolerance derived from the arithmetic
+(playground/tolerance.py): loss and gradients within a fixed number of units of roundoff
+of the tensor's largest reference value; each element of the weights and moments within
+what AdamW can make of gradients that pass. A row's `ratio` is its worst error over its
+tolerance, over the steps (at most 1 passes; the margin is its inverse). Errors are also
+shown relative: loss and gradients over max |reference|, weights over the largest change
+the reference's step made to the tensor, moments over max |reference|.
+
+Mixture of experts: the layout's ranks record each token group's routing decision; the
+reference replays a decision where its own differs only by a near-tie (model.moe.Replay),
+so that a verdict does not depend on how a machine rounds the last bit of a router logit;
+a difference beyond a tie is a problem, and fails.
 """
 from __future__ import annotations
 
@@ -20,74 +30,64 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from model import GPT
+from model import GPT, assemble
 from model.data import make_source
-from model.moe import MoEStats, TokenGroups
+from model.moe import MoEStats, Replay, TokenGroups
+from model.optimizer import step_count
 from sequence_parallel.balance import positions
 
 from .run_config import RunConfig
-from model import assemble
+from .tolerance import UNIT_ROUNDOFF, step_bounds, tolerances
 from .training import train
 
-# tolerance of the relative error, by dtype and quantity (None: reported, not judged)
-TOLERANCE = {
-    "float64": {"loss": 1e-10, "grad": 1e-10, "weight": 1e-10},
-    "float32": {"loss": 1e-5, "grad": 1e-5, "weight": 1e-2},
-    "bfloat16": {"loss": 2e-2, "grad": 5e-2, "weight": None},
-}
+KINDS = ("param", "exp_avg", "exp_avg_sq")
 
 
 @dataclass
 class Row:
-    what: str  # "loss", "grad", "weight"
+    what: str  # "loss", "grad", "weight", "moments", "dropped"
     name: str
     max_abs: float
     max_rel: float
-    ok: bool  # within tolerance, or not judged
+    ratio: float | None  # the worst error over its tolerance (at most 1 passes); None: not judged
+    step: int | None = None  # gradients, weights, moments: the step of the worst error
+
+    @property
+    def label(self) -> str:
+        """The tensor, with its worst step."""
+        return self.name if self.step is None else f"{self.name} (step {self.step})"
+
+    @property
+    def ok(self) -> bool:
+        return self.ratio is None or self.ratio <= 1.0
 
 
 @dataclass
 class CheckReport:
     run: RunConfig
-    tolerance: dict  # by quantity
+    tolerance: dict  # loss, grad, routing: relative tolerance (None: not judged); weight: True if judged
     rows: list
-    problems: list  # coverage / replica problems from gathering
+    problems: list  # coverage, replica, initial-weight and routing problems
     result: object = None  # the layout's TrainResult (losses, ledger, memory, ...)
+    ties: int = 0  # MoE token groups whose routing the reference took from the layout at a near-tie
+    tied: int = 0  # the assignments those decisions differed in
 
     @property
     def passed(self) -> bool:
         return not self.problems and all(r.ok for r in self.rows)
 
-    def worst(self, what: str) -> Row:
-        return max((r for r in self.rows if r.what == what), key=lambda r: r.max_rel)
+    def worst(self, what: str) -> Row | None:
+        """The row of `what` nearest to (or furthest over) its tolerance; by relative error
+        where it is not judged."""
+        return max((r for r in self.rows if r.what == what),
+                   key=lambda r: (r.ratio is not None, r.ratio if r.ratio is not None else r.max_rel), default=None)
 
-
-def reference_run(run: RunConfig) -> dict:
-    """Single device, float64, the whole global batch at once: losses, first gradients,
-    final weights."""
-    cfg, layout = run.model, run.layout
-    model = GPT(cfg, seed=run.seed, dtype=torch.float64)
-    opt = torch.optim.AdamW(model.parameters(), lr=run.lr, betas=run.betas, weight_decay=run.weight_decay)
-    source = make_source(run.data, cfg.vocab_size, run.seed)
-    groups = token_groups(run)
-    for layer in model.moe_layers():
-        layer.groups = groups
-    out = {"losses": [], "moe": []}
-    for step in range(run.steps):
-        for layer in model.moe_layers():
-            layer.stats = MoEStats()
-        batch = source.global_batch(step, layout.global_batch, cfg.seq_len)
-        loss = model(batch[:, :-1], batch[:, 1:])
-        loss.backward()
-        if step == 0:
-            out["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        moe = sum(layer.stats.aux + layer.stats.z for layer in model.moe_layers())  # part of the loss
-        out["losses"].append(loss.item() + moe)
-        out["moe"].append([layer.stats for layer in model.moe_layers()])
-    out["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return out
+    @property
+    def ratio(self) -> float:
+        """The largest error over its tolerance of all judged rows (inf with a problem)."""
+        if self.problems:
+            return float("inf")
+        return max((r.ratio for r in self.rows if r.ratio is not None), default=0.0)
 
 
 def token_groups(run: RunConfig) -> TokenGroups:
@@ -109,16 +109,59 @@ def token_groups(run: RunConfig) -> TokenGroups:
     return TokenGroups(rows, stats, seqs)
 
 
-def initial_weights(run: RunConfig) -> dict:
-    return {n: p.detach() for n, p in GPT(run.model, seed=run.seed, dtype=torch.float64).named_parameters()}
+def reference_model(run: RunConfig) -> GPT:
+    """The one-device reference in float64, initialised as every layout is (or from --init-from)."""
+    init = torch.load(run.init_from, map_location="cpu", weights_only=True) if run.init_from else None
+    return GPT(run.model, dtype=torch.float64, device="meta").materialize("cpu", run.seed, init)
 
 
-def _compare(what, name, got, ref, tol, scale=None) -> Row:
-    diff = (got - ref).abs().max().item() if got.numel() else 0.0
-    if scale is None:
-        scale = ref.abs().max().item() if ref.numel() else 0.0
-    rel = diff / scale if scale > 0 else diff
-    return Row(what, name, diff, rel, tol is None or rel <= tol)
+def reference_steps(run: RunConfig, tol: dict, states: list, replays: list | None = None) -> list:
+    """Each step of the reference taken from the layout's state before it: `states[t]` is
+    {kind: {name: full tensor}} (no moments before the first step), `replays[t]` the
+    layout's routing decisions of step t per MoE block. Returns per step the loss, the
+    gradients, the state after the step, its bounds (tolerance.step_bounds; None when
+    weights are not judged) and the MoE layers' statistics."""
+    cfg, layout = run.model, run.layout
+    model = reference_model(run)
+    params = dict(model.named_parameters())
+    opt = torch.optim.AdamW(params.values(), lr=run.lr, betas=run.betas, weight_decay=run.weight_decay)
+    group = opt.param_groups[0]
+    unit = UNIT_ROUNDOFF[str(run.param_dtype).removeprefix("torch.")]
+    source = make_source(run.data, cfg.vocab_size, run.seed)
+    groups = token_groups(run)
+    for layer in model.moe_layers():
+        layer.groups = groups
+    taken = 0  # optimizer steps taken (the fp16 loss scaler may skip one)
+    out = []
+    for step in range(run.steps):
+        state = states[step]
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(state["param"][name])
+                opt.state[p] = {"step": step_count(opt, p, taken), "exp_avg": state["exp_avg"][name].clone(),
+                                "exp_avg_sq": state["exp_avg_sq"][name].clone()} if taken else {}
+        for layer in model.moe_layers():
+            layer.stats = MoEStats()
+            layer.replay = Replay(replays[step].get(layer.index, {}), tol["routing"]) if replays else None
+        batch = source.global_batch(step, layout.global_batch, cfg.seq_len)
+        loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in params.items()}
+        skipped = states[step + 1]["skipped"] if step + 1 < len(states) else False
+        if not skipped:
+            opt.step()
+            taken += 1
+        opt.zero_grad(set_to_none=True)
+        after = {"param": {n: p.detach().clone() for n, p in params.items()},
+                 **{k: {n: opt.state[p][k].clone() for n, p in params.items()} for k in KINDS[1:] if taken}}
+        bounds = None
+        if tol["weight"] and not skipped:
+            bounds = {n: step_bounds(grads[n], {k: after[k][n] for k in KINDS}, taken, group, tol["grad"], unit)
+                      for n in params}
+        moe = sum(layer.stats.aux + layer.stats.z for layer in model.moe_layers())  # part of the loss
+        out.append({"loss": loss.item() + moe, "grads": grads, "after": after, "bounds": bounds,
+                    "moe": [layer.stats for layer in model.moe_layers()], "skipped": skipped})
+    return out
 
 
 def checkable(run: RunConfig) -> None:
@@ -129,34 +172,160 @@ def checkable(run: RunConfig) -> None:
                          f"dropout masks, so no layout computes one device's numbers")
 
 
+def replays(res, run: RunConfig) -> tuple:
+    """([per step: {block: {(row group, sequence group): (probs, Decision)}}], problems): the
+    routing decisions the layout's ranks recorded, keyed by the reference's token groups
+    (`token_groups`); a rank that recorded another number of calls than microbatches is a
+    problem."""
+    layout = run.layout
+    m, slices = layout.microbatches, layout.tp if layout.sequence_parallel else 1
+    out, problems = [{} for _ in range(run.steps)], []
+    for rank, v in enumerate(res.values):
+        d, c, t = v["token_group"]
+        for step, layers in enumerate(v.get("moe") or []):
+            for index, st in layers.items():
+                calls = st["decisions"]
+                if len(calls) != m:
+                    problems.append(f"routing: rank {rank} recorded {len(calls)} calls of block {index} in step "
+                                    f"{step}, not one per microbatch ({m})")
+                for mb, decision in enumerate(calls):
+                    out[step].setdefault(index, {})[(d * m + mb, c * slices + t)] = decision
+    return out, problems
+
+
+def _gathered(res, pick) -> tuple:
+    """({name: full tensor}, problems) of the pieces `pick(rank's value)` gives on every rank."""
+    return assemble([pick(v) for v in res.values])
+
+
+def layout_states(res, run: RunConfig) -> tuple:
+    """([the layout's state before each step: {kind: {name: full}, "skipped": bool}], [its
+    gradients of each step], problems), gathered from every rank's pieces."""
+    problems, states, grads = [], [], []
+
+    def state(pieces_of, label, skipped=False):
+        out = {"skipped": skipped}
+        for kind in KINDS:
+            full, probs = _gathered(res, lambda v: [(pl, t) for k, pl, t in pieces_of(v) if k == kind])
+            problems.extend(f"{label}: {kind}: {p}" for p in probs)
+            out[kind] = full
+        return out
+    states.append(state(lambda v: v["initial"], "before step 0"))
+    for step in range(run.steps):
+        full, probs = _gathered(res, lambda v: v["steps"][step]["grads"])
+        problems.extend(f"gradients of step {step}: {p}" for p in probs)
+        grads.append(full)
+        states.append(state(lambda v: v["steps"][step]["state"], f"after step {step}",
+                            any(v["steps"][step]["skipped"] for v in res.values)))
+    return states, grads, problems
+
+
+def _initial_problems(run: RunConfig, initial: dict) -> list:
+    """The layout's initial weights against the reference's, rounded to the layout's dtype:
+    bitwise (Contract 4: every shard a slice of the one full tensor)."""
+    dtype, out = run.param_dtype, []
+    for name, want in reference_model(run).named_parameters():
+        got = initial.get(name)
+        if got is None:
+            out.append(f"initial weights: {name} is held by no rank")
+        elif not torch.equal(got, want.detach().to(dtype).double()):
+            n = int((got != want.detach().to(dtype).double()).sum())
+            out.append(f"initial weights: {name} differs from the reference's in {n} of {got.numel()} elements "
+                       f"(a shard initialised from the wrong slice?)")
+    return out
+
+
+def _absent(states: list, names: list) -> list:
+    """Problems: a weight, or after a step taken a moment, that no rank holds."""
+    out = []
+    for i, state in enumerate(states):
+        kinds = [k for k in KINDS if k == "param" or state[k] or i and states[i - 1][k]]
+        for kind in kinds:
+            missing = [n for n in names if n not in state[kind]]
+            if missing:
+                when = "before step 0" if i == 0 else f"after step {i - 1}"
+                out.append(f"{when}: {kind} of {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1
+                                                                else "") + " held by no rank")
+    return out
+
+
+class _Worst:
+    """The worst (ratio, step, abs, rel) of one tensor over the steps."""
+
+    def __init__(self):
+        self.ratio, self.step, self.abs, self.rel = None, None, 0.0, 0.0
+
+    def add(self, step, diff, rel, ratio) -> None:
+        self.abs, self.rel = max(self.abs, diff), max(self.rel, rel)
+        if ratio is not None and (self.ratio is None or ratio > self.ratio):
+            self.ratio, self.step = ratio, step
+
+
+def _over(diff, bound):
+    """max over elements of diff / bound (0 / 0: no error; x / 0: inf)."""
+    if not diff.numel():
+        return 0.0
+    return torch.where(diff > 0, diff / bound, torch.zeros_like(diff)).max().item()
+
+
 def check(run: RunConfig) -> CheckReport:
     run = replace(run, progress=False)
     checkable(run)
-    tol = dict(TOLERANCE[run.dtype])
-    if run.model.n_experts and run.dtype == "bfloat16":
-        # bf16 router logits cannot reproduce float64's routing decisions near ties; a token routed
+    tol = tolerances(run.dtype)
+    tol["routing"] = tol["grad"]  # router probabilities this close are a tie broken by rounding
+    if run.model.n_experts and run.dtype in ("bfloat16", "float16"):
+        # 16-bit router logits cannot reproduce float64's routing decisions near ties; a token routed
         # or dropped differently moves the experts' gradients by its whole share: reported only
         tol["grad"] = None
-    ref = reference_run(run)
     res = train(run, collect=True)
-    rows, problems = [], []
-    init = initial_weights(run)
-    for step, (mine, theirs) in enumerate(zip(res.moe_steps(), ref["moe"])):
-        for (index, got), want in zip(mine.items(), theirs):  # tokens dropped by the capacity: the same ones
+    states, grads, problems = layout_states(res, run)
+    problems = _initial_problems(run, states[0]["param"]) + problems
+    decisions, routing = replays(res, run) if run.model.n_experts else (None, [])
+    problems += routing
+    absent = _absent(states, [n for n, _ in GPT(run.model, device="meta").named_parameters()])
+    if absent:  # no state to take the reference's steps from
+        return CheckReport(run, tol, [], problems + absent, res)
+    ref = reference_steps(run, tol, states, decisions)
+    rows, ties, tied = [], 0, 0
+    for step, (mine, theirs) in enumerate(zip(res.moe_steps(), ref)):
+        for (index, got), want in zip(mine.items(), theirs["moe"]):  # tokens dropped by the capacity: the same
             name = f"step {step} block {index}: {got['dropped']} here, {want.dropped} on one device"
             same = got["dropped"] == want.dropped
-            judged = tol["grad"] is not None
-            rows.append(Row("dropped", name, abs(got["dropped"] - want.dropped), float(not same), same or not judged))
-    for step, (a, b) in enumerate(zip(res.losses, ref["losses"])):
-        rows.append(_compare("loss", f"step {step}", torch.tensor(a, dtype=torch.float64),
-                            torch.tensor(b, dtype=torch.float64), tol["loss"]))
-    for what, key in (("grad", "grads"), ("weight", "weights")):
-        full, probs = assemble([v[key] for v in res.values])
-        problems += [f"{what}s: {p}" for p in probs]
-        missing = sorted(set(ref[key]) - set(full))
-        problems += [f"{what}s: {name} is held by no rank" for name in missing]
-        for name, r in ref[key].items():
-            if name in full:
-                scale = (r - init[name]).abs().max().item() if what == "weight" else None
-                rows.append(_compare(what, name, full[name], r, tol[what], scale))
-    return CheckReport(run, tol, rows, problems, res)
+            rows.append(Row("dropped", name, abs(got["dropped"] - want.dropped), float(not same),
+                            (0.0 if same else float("inf")) if tol["grad"] is not None else None))
+            ties, tied = ties + want.ties, tied + want.tied
+            problems += [f"routing: step {step}, {m}" for m in want.mismatches]
+    for step, (a, r) in enumerate(zip(res.losses, ref)):
+        diff = abs(a - r["loss"])
+        rel = diff / abs(r["loss"]) if r["loss"] else diff
+        rows.append(Row("loss", f"step {step}", diff, rel, None if tol["loss"] is None else rel / tol["loss"]))
+    worst = {}
+    for step, r in enumerate(ref):
+        for name, want in r["grads"].items():
+            got = grads[step].get(name)
+            if got is None or r["skipped"]:  # (an overflowed fp16 step's gradients are not compared)
+                continue
+            diff = (got - want).abs().max().item() if got.numel() else 0.0
+            scale = want.abs().max().item() if want.numel() else 0.0
+            rel = diff / scale if scale > 0 else diff
+            ratio = None if tol["grad"] is None else (rel / tol["grad"] if scale > 0 else float("inf") * (diff > 0))
+            worst.setdefault(("grad", name), _Worst()).add(step, diff, rel, ratio)
+        before, after = states[step]["param"], states[step + 1]
+        for name in r["grads"]:
+            for kind in (k for k in KINDS if k in r["after"]):
+                got, want = after[kind].get(name), r["after"][kind][name]
+                if got is None:
+                    continue
+                d = (got - want).abs()
+                diff = d.max().item() if d.numel() else 0.0
+                scale = ((want - before[name]).abs() if kind == "param" else want.abs()).max().item() \
+                    if want.numel() else 0.0
+                rel = diff / scale if scale > 0 else diff
+                ratio = _over(d, r["bounds"][name][kind]) if r["bounds"] is not None else None
+                what = "weight" if kind == "param" else "moments"
+                worst.setdefault((what, name), _Worst()).add(step, diff, rel, ratio)
+    for what in ("grad", "weight", "moments"):
+        for (w, name), acc in worst.items():
+            if w == what:
+                rows.append(Row(what, name, acc.abs, acc.rel, acc.ratio, acc.step if run.steps > 1 else None))
+    return CheckReport(run, tol, rows, problems, res, ties, tied)

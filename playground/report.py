@@ -189,35 +189,65 @@ def memory_table(res) -> str:
                if cuda else ""))
 
 
+def _of_tolerance(r) -> str:
+    if r.ratio is None:
+        return "not judged"
+    return "inf" if r.ratio == float("inf") else f"{r.ratio:.2e}"
+
+
+def margin_text(ratio: float) -> str:
+    """How far an error is from its tolerance: 'margin 31x' below it, '12x over' above."""
+    if ratio == 0:
+        return "exact"
+    if ratio == float("inf"):
+        return "over (no tolerance)"
+    return f"margin {1 / ratio:,.3g}x" if ratio <= 1 else f"{ratio:,.3g}x over"
+
+
 def check_summary(rep, verbose: bool = True) -> str:
     run = rep.run
+    tol = rep.tolerance
     lines = [f"\nplayground check: {run.layout.describe()} in {run.dtype} against one device in float64, "
              f"{run.steps} AdamW steps, backend {run.backend}"]
     rows = []
     for r in rep.rows:
         if r.what == "dropped":  # tokens the capacity dropped, layout against reference
             if verbose or not r.ok:
-                judged = rep.tolerance["grad"] is not None
-                rows.append([r.what, r.name, f"{r.max_abs:.0f}", "-", "equal" if judged else "not judged",
-                             "ok" if r.ok else "FAIL"])
+                rows.append([r.what, r.name, f"{r.max_abs:.0f}", "-", "equal" if r.ratio is not None else "not judged",
+                             "-", "ok" if r.ok else "FAIL"])
             continue
         if verbose or not r.ok or r.what == "loss":
-            tol = rep.tolerance[r.what]
-            rows.append([r.what, r.name, f"{r.max_abs:.3e}", f"{r.max_rel:.3e}",
-                         f"{tol:.0e}" if tol is not None else "not judged", "ok" if r.ok else "FAIL"])
-    lines.append(table(["quantity", "tensor", "max abs err", "max rel err", "tolerance", ""], rows))
-    lines.append("(rel: loss and gradients over max |reference|; weights over the reference's own update "
-                 "max |w_k - w_0|; dropped: tokens the experts' capacity dropped, the difference in count)")
+            rule = ("per element" if tol["weight"] else "not judged") if r.what in ("weight", "moments") else \
+                (f"{tol[r.what]:.1e}" if tol[r.what] is not None else "not judged")
+            rows.append([r.what, r.label, f"{r.max_abs:.3e}", f"{r.max_rel:.3e}", rule, _of_tolerance(r),
+                         "ok" if r.ok else "FAIL"])
+    lines.append(table(["quantity", "tensor", "max abs err", "max rel err", "tolerance", "of tolerance", ""], rows))
+    lines.append("(each step of the reference is taken from the layout's state before it; the worst step is named. "
+                 "rel: loss, gradients and moments over max |reference|; weights over the reference step's update; "
+                 "loss and gradients are judged against the tolerance, each element of the weights and AdamW's "
+                 "moments against what AdamW can make of gradients within theirs; of tolerance: the worst error over "
+                 "its tolerance, at most 1 passes; dropped: tokens the experts' capacity dropped, the difference in "
+                 "count)")
+    if rep.ties:
+        what = f"{rep.tied} assignment(s) kept otherwise" if rep.tied else "equal-priority assignments in another order"
+        lines.append(f"routing: {rep.ties} token group(s) broke a near-tie otherwise than one device ({what}; router "
+                     f"probabilities within {tol['routing']:.1e}); the reference replayed the layout's decisions there")
     for p in rep.problems:
         lines.append(f"PROBLEM: {p}")
-    worst = {w: rep.worst(w) for w in ("loss", "grad", "weight")}
-    verdict = "PASS" if rep.passed else "FAIL"
-    unjudged = [w for w in ("grad", "weight") if rep.tolerance.get(w) is None]
+    unjudged = [w for w in ("grad", "weight") if not tol.get(w)]
     if unjudged:
-        lines.append(f"(not judged in {run.dtype}: {', '.join({'grad': 'gradients', 'weight': 'weights'}[w] for w in unjudged)}"
+        lines.append(f"(not judged in {run.dtype}: {', '.join({'grad': 'gradients', 'weight': 'weights and moments'}[w] for w in unjudged)}"
                      + ("; experts route differently near ties than in float64" if run.model.n_experts else "")
                      + "; prove a layout in float64)")
-    lines.append(f"\n{verdict}: worst relative errors: loss {worst['loss'].max_rel:.2e}, "
-                 f"gradient {worst['grad'].max_rel:.2e} ({worst['grad'].name}), "
-                 f"weight {worst['weight'].max_rel:.2e} ({worst['weight'].name})")
+    judged = [r for r in rep.rows if r.ratio is not None]
+    closest = max(judged, key=lambda r: r.ratio) if judged else None
+    verdict = "PASS" if rep.passed else "FAIL"
+    if closest is None:
+        lines.append(f"\n{verdict}: nothing judged" + (" (see the problems above)" if rep.problems else ""))
+        return "\n".join(lines)
+    worst = {w: rep.worst(w) for w in ("loss", "grad", "weight")}
+    errors = ", ".join(f"{label} {worst[w].max_rel:.2e}" + (f" ({worst[w].label})" if w != "loss" else "")
+                       for w, label in (("loss", "loss"), ("grad", "gradient"), ("weight", "weight")) if worst[w])
+    lines.append(f"\n{verdict}: worst relative errors: {errors}; closest to its tolerance: {closest.what} "
+                 f"{closest.label} at {_of_tolerance(closest)} of it ({margin_text(closest.ratio)})")
     return "\n".join(lines)

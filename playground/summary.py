@@ -8,6 +8,8 @@ import re
 from collections import defaultdict
 
 SCHEMA_VERSION = 1
+# check's JSON: 2 since each step is compared from the layout's state and judged by ratio to its tolerance
+CHECK_SCHEMA_VERSION = 2
 
 
 def label_family(label: str) -> str:
@@ -89,11 +91,17 @@ def train_json(res) -> dict:
     return out
 
 
+def _finite(x):
+    """JSON has no infinity: an error with no tolerance at all is written as null with ok false."""
+    return None if x is None or x == float("inf") else x
+
+
 def check_json(rep) -> dict:
-    out = {"schema": f"playground.check/{SCHEMA_VERSION}", **_run_json(rep.run), "passed": rep.passed,
-           "tolerance": rep.tolerance, "problems": rep.problems,
-           "errors": [{"quantity": r.what, "tensor": r.name, "max_abs": r.max_abs, "max_rel": r.max_rel, "ok": r.ok}
-                      for r in rep.rows]}
+    out = {"schema": f"playground.check/{CHECK_SCHEMA_VERSION}", **_run_json(rep.run), "passed": rep.passed,
+           "tolerance": rep.tolerance, "ratio": _finite(rep.ratio), "problems": rep.problems,
+           "routing_ties": {"groups": rep.ties, "assignments": rep.tied},
+           "errors": [{"quantity": r.what, "tensor": r.name, "step": r.step, "max_abs": r.max_abs,
+                       "max_rel": r.max_rel, "ratio": _finite(r.ratio), "ok": r.ok} for r in rep.rows]}
     if rep.result is not None:
         out["loss"] = {"per_step": rep.result.losses}
         out["communication"] = communication(rep.result.ledger, len(rep.result.losses))

@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm import tqdm
@@ -101,9 +101,21 @@ def _progress_bar(steps: int):
     return tqdm(total=steps, desc="train", unit="step", dynamic_ncols=True)
 
 
+def _state(model) -> list:
+    """[(kind, Placement, CPU float64 copy)] of this rank's weights and AdamW moments."""
+    return [(kind, pl, t.detach().to("cpu", torch.float64).clone()) for kind, pl, t in model.state_pieces()]
+
+
+def _skipped(model) -> int:
+    """Steps the fp16 loss scalers skipped so far (an overflow)."""
+    return sum(s.skipped for s in getattr(model.optimizer, "scalers", []))
+
+
 def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=None, grads_at=None) -> dict:
     """One rank's program. With `collect`, also returns the pieces of the gradients after
-    the first backward and of the weights after the last step (for the equivalence check).
+    the first backward and of the weights after the last step, and for the equivalence
+    check the state before the first step ("initial") and each step's gradients and state
+    after it ("steps").
     `source`: the data source, built once by the driver and shared (read only) by the
     simulated ranks; built here when None (gloo and torch processes). `init`: the reference
     GPT's state_dict to start from (--init-from). With `run.resume` the steps continue from
@@ -122,7 +134,12 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
     if init is None and run.init_from:
         init = torch.load(run.init_from, map_location="cpu", weights_only=True)
     model = parallelize(GPT(cfg, dtype=run.param_dtype, device="meta"), mesh, run, device, memory, state_dict=init)
+    if collect:  # the check's reference replays the routing decisions made here at near-ties
+        for layer in model.moe_layers:
+            layer.record = True
     start = checkpoint.load(model, run.resume, checkpoint.read_index(run.resume, cfg)) if run.resume else 0
+    if collect:  # the state every step starts from, for the check's reference to take each step from it
+        out_states = {"initial": _state(model), "steps": []}
     source = source or make_source(run.data, cfg.vocab_size, run.seed)
     rows = layout.global_batch // layout.dp
     out = {"losses": [], "step_times": [], "host_blocked": [], "sim_steps": [], "memory": None, "moe": [], "start": start}
@@ -153,11 +170,17 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
             track = (lambda: memory.track_activations(exclude=model.params)) if run.hardware and replay != "replay" \
                 else contextlib.nullcontext  # a replayed step's activations are the recorded one's
             total = model.run_step(micro, track)
-            if collect and step == (start if grads_at is None else grads_at):
-                out["grads"] = model.pieces("grad")
+            if collect:
+                grads = model.pieces("grad")
+                if step == (start if grads_at is None else grads_at):
+                    out["grads"] = grads
+                skipped = _skipped(model)
             model.step()
+            if collect:
+                out_states["steps"].append({"grads": grads, "state": _state(model),
+                                            "skipped": _skipped(model) > skipped})
             if cfg.n_experts:  # this rank's routing statistics of the step, per MoE layer it holds
-                out["moe"].append({layer.index: asdict(layer.stats) for layer in model.moe_layers})
+                out["moe"].append({layer.index: dict(vars(layer.stats)) for layer in model.moe_layers})
             work = replicas.all_reduce(total, op=ReduceOp.AVG, label="metrics.loss", async_op=deferred)
             if i == run.steps - 1:  # model states after the last step; the peaks are the tracker's own
                 out["memory"] = memory.snapshot(states=MemoryTracker.measure(model.state_tensors()))
@@ -186,6 +209,10 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
         out["cuda_peak_allocated"] = torch.cuda.max_memory_allocated()
     if collect:
         out["weights"] = model.pieces("param")
+        out.update(out_states)
+        # the token groups this rank routes: its dp rank's microbatches of its cp rank's (and under
+        # sequence parallelism its tp rank's) tokens (equivalence.token_groups)
+        out["token_group"] = (dp.rank, mesh.group("cp").rank, mesh.group("tp").rank if layout.sequence_parallel else 0)
     return out
 
 

@@ -70,6 +70,7 @@ def _recompute_without_telling_the_modules(monkeypatch):
     monkeypatch.setattr(ac, "_recomputing", lambda modules: contextlib.nullcontext())
 
 
+@pytest.mark.sabotage
 @pytest.mark.parametrize("name,sabotage", [("dp3-tp2-sp", _recompute_from_another_input),
                                            ("moe-ep2-tp2-sp-zero3", _recompute_without_telling_the_modules)],
                          ids=["recompute-from-another-input", "recompute-without-telling-the-modules"])

@@ -99,6 +99,7 @@ SABOTAGE = {
 }
 
 
+@pytest.mark.sabotage
 @pytest.mark.parametrize("name,sabotage", [(n, s) for n, ss in SABOTAGE.items() for s in ss],
                          ids=lambda x: x if isinstance(x, str) else x.__name__.strip("_"))
 def test_sabotaged_composition_fails_the_check(name, sabotage, monkeypatch):

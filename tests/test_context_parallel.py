@@ -104,6 +104,7 @@ def test_ring_in_float32_and_bfloat16():
     assert rep.passed, [r for r in rep.rows if not r.ok]
 
 
+@pytest.mark.sabotage
 def test_a_ring_that_skips_a_step_fails_the_check(monkeypatch):
     import sequence_parallel.ring as ring
     real = ring._pairs
@@ -113,6 +114,7 @@ def test_a_ring_that_skips_a_step_fails_the_check(monkeypatch):
     assert not rep.passed and rep.worst("loss").max_rel > 1e-5 and rep.worst("grad").max_rel > 1e-3
 
 
+@pytest.mark.sabotage
 def test_zigzag_without_permuted_rope_positions_fails_the_check(monkeypatch):
     """The tokens and targets are taken in zig-zag order but RoPE gets 0..s/cp-1."""
     import playground.parallelize as par
@@ -128,8 +130,9 @@ def test_zigzag_without_permuted_rope_positions_fails_the_check(monkeypatch):
     assert not rep.passed and rep.worst("loss").max_rel > 1e-6
 
 
+@pytest.mark.sabotage
 def test_the_check_compares_losses_in_float64(monkeypatch):
-    """A loss off by 1e-8 of itself passes a float32 comparison but must fail float64's 1e-10."""
+    """A loss off by 1e-8 of itself passes a float32 comparison but must fail float64's (1.1e-13)."""
     from playground.parallelize import ParallelModel
     run_step = ParallelModel.run_step
     monkeypatch.setattr(ParallelModel, "run_step", lambda self, micro, track: run_step(self, micro, track) * (1 + 1e-8))

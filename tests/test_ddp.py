@@ -18,10 +18,11 @@ def test_ddp_matches_the_reference(dp, microbatches, dtype):
                     layout=Layout(dp=dp, microbatches=microbatches, micro_batch_size=2))
     rep = check(run)
     assert rep.passed, [r for r in rep.rows if not r.ok] + rep.problems
-    assert {r.what for r in rep.rows} == {"loss", "grad", "weight"}
+    assert {r.what for r in rep.rows} == {"loss", "grad", "weight", "moments"}
     assert sum(r.what == "grad" for r in rep.rows) == len(list(GPT(run.model, device="meta").parameters()))
 
 
+@pytest.mark.sabotage
 def test_check_fails_on_a_broken_strategy(monkeypatch):
     """A DDP that sums gradients instead of averaging them (a classic bug) must fail the check."""
     from collectives import ReduceOp

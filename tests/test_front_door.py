@@ -221,10 +221,11 @@ def test_check_json_and_plot(tmp_path):
             "--plots", str(tmp_path))
     assert p.returncode == 0, p.stdout + p.stderr
     d = json.loads((tmp_path / "c.json").read_text())
-    assert d["schema"] == "playground.check/1" and d["passed"] is True and d["problems"] == []
+    assert d["schema"] == "playground.check/2" and d["passed"] is True and d["problems"] == []
     grads = [e for e in d["errors"] if e["quantity"] == "grad"]
     assert {e["tensor"] for e in grads} >= {"tok_emb.weight", "blocks.1.mlp.w_down.weight"}
-    assert all(e["ok"] and e["max_rel"] <= d["tolerance"]["grad"] for e in grads)
+    assert all(e["ok"] and e["max_rel"] <= d["tolerance"]["grad"] and e["ratio"] <= 1 for e in grads)
+    assert 0 < d["ratio"] <= 1 and {e["quantity"] for e in d["errors"]} == {"loss", "grad", "weight", "moments"}
     data = (tmp_path / "check.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 

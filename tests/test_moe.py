@@ -2,12 +2,15 @@
 (with the capacity dropping tokens, and dropless), the dispatch at unit level, sabotaged
 dispatches and divisors that must fail, the ledger's all-to-all bytes, and runs on the
 simulated clock."""
+import threading
+
 import pytest
 import torch
 
+import model.moe as mm
 from collectives import launch
 from model import GPT, preset
-from model.moe import MoE, route
+from model.moe import Decision, MoE, capacity, choose, route
 from moe import ExpertParallelDispatch
 from playground import Layout, LayoutError, RunConfig, check, train
 
@@ -113,7 +116,118 @@ def test_capacity_keeps_first_choices_then_the_most_probable():
     assert sorted(r.tokens[:2].tolist()) == [0, 2]  # token 1 (lowest probability for expert 0) dropped
 
 
+@pytest.mark.parametrize("k,renormalize", [(1, None), (2, None), (3, None), (1, True), (2, False)])
+def test_gates_are_renormalised_for_k_above_one_and_raw_for_top_1(k, renormalize):
+    """GShard's and Mixtral's k > 1: the k gates sum to one; Switch's k = 1: the raw
+    probability (renormalised alone it would be exactly 1)."""
+    cfg = BASE.with_(n_experts=6, top_k=k, renormalize_gates=renormalize, capacity_factor=0.0)
+    logits = torch.randn(40, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
+    probs, r = route(logits, cfg)
+    per_token = torch.zeros(40, dtype=torch.float64).index_add(0, r.tokens, r.gates)
+    top = probs.topk(k, dim=-1).values
+    if cfg.renormalizes:
+        assert torch.allclose(per_token, torch.ones(40, dtype=torch.float64), rtol=0, atol=1e-15)
+    else:
+        assert torch.allclose(per_token, top.sum(-1), rtol=0, atol=1e-15) and (per_token < 1).all()
+
+
+def test_top_1_routing_gives_the_router_the_tasks_gradient():
+    """With k = 1 the router learns from the task, not only from the auxiliary losses."""
+    cfg = BASE.with_(n_experts=4, top_k=1, aux_loss_coef=0.0, z_loss_coef=0.0)
+    model = GPT(cfg, seed=0, dtype=torch.float64)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    model(x[:, :-1], x[:, 1:]).backward()
+    grad = model.blocks["0"].mlp.router.weight.grad
+    assert grad.abs().max() > 1e-4
+
+
+def _layout_side(fn, real):
+    """`fn` on the simulated ranks' threads (the layout), `real` in the check's reference."""
+    return lambda *a: fn(*a) if threading.current_thread().name.startswith("sim-rank") else real(*a)
+
+
+def _zero_router_and_noisy_layout_logits(monkeypatch, scale=1e-15):
+    """Every router starts at zero, so every step-0 decision is an exact tie; the layout's
+    logits get noise of `scale` (the last bits of a logit), so it breaks the ties otherwise."""
+    import model.init as init
+    real_init = init.init_full_parameter
+    monkeypatch.setattr(init, "init_full_parameter", lambda name, shape, config, seed: torch.zeros(
+        shape, dtype=torch.float64) if "router" in name else real_init(name, shape, config, seed))
+    real_route = MoE._route
+
+    def noisy(self, logits):
+        g = torch.Generator().manual_seed(len(self.stats.decisions) * 1000 + self.index)
+        return real_route(self, logits + scale * torch.randn(logits.shape, generator=g, dtype=logits.dtype))
+    monkeypatch.setattr(MoE, "_route", noisy)
+
+
+TIES = {"dp2-ep2-E4-k2": dict(dp=2, ep=2), "dp4-ep4-E8-k2": dict(dp=4, ep=4, model=BASE.with_(n_experts=8)),
+        "ep2-tp2-sp-k1": dict(dp=2, tp=2, sequence_parallel=True, ep=2, model=BASE.with_(top_k=1)),
+        "pp2-ep2-dropless": dict(pp=2, dp=2, ep=2, microbatches=4, model=BASE.with_(capacity_factor=0.0))}
+
+
+@pytest.mark.parametrize("name", list(TIES))
+def test_near_ties_broken_otherwise_by_the_layout_are_replayed_and_pass(name, monkeypatch):
+    """A verdict must not depend on the last bit of a router logit: at exact ties broken
+    otherwise on the layout's side, the reference replays the layout's decisions."""
+    _zero_router_and_noisy_layout_logits(monkeypatch)
+    rep = check(_run(**TIES[name]))
+    assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
+    assert rep.ties > 0 and rep.tied > 0
+
+
+@pytest.mark.parametrize("name", ["ep2-E4-k2", "ep4-E8-k2", "ep2-E8-k1", "dp2-tp2-pp2-ep2-sp"])
+def test_layouts_pass_with_their_router_logits_a_few_ulps_off(name, monkeypatch):
+    """The layout's router logits moved by up to 4 units in their last place (as another
+    machine's rounding moves them): the verdict stays PASS."""
+    real_route = MoE._route
+
+    def off(self, logits):
+        g = torch.Generator().manual_seed(len(self.stats.decisions) * 1000 + self.index)
+        ulps = torch.randint(-4, 5, logits.shape, generator=g).to(logits.dtype)
+        return real_route(self, logits + ulps * logits.abs() * torch.finfo(logits.dtype).eps / 2)
+    monkeypatch.setattr(MoE, "_route", off)
+    rep = check(_run(**CASES[name]))
+    assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
+
+
 # -- sabotage ---------------------------------------------------------------------------------------
+@pytest.mark.sabotage
+def test_ties_not_replayed_fail(monkeypatch):
+    """The same ties without the replay (a tolerance of 0 for the router probabilities): the
+    reference routes otherwise and the check fails, so the test above can fail."""
+    _zero_router_and_noisy_layout_logits(monkeypatch)
+    real = mm.Replay.__init__
+    monkeypatch.setattr(mm.Replay, "__init__", lambda self, groups, tolerance: real(self, groups, 0.0))
+    rep = check(_run(steps=1, **TIES["dp2-ep2-E4-k2"]))
+    assert not rep.passed and any("routing" in p for p in rep.problems)
+
+
+def _half_capacity(probs, c):
+    return choose(probs, c.with_(capacity_factor=c.capacity_factor / 2))
+
+
+def _lowest_probability_kept(probs, c):
+    """Each expert keeps the last of its assignments in priority order instead of the first."""
+    every = choose(probs, c.with_(capacity_factor=0.0))  # expert-major, in priority order
+    cap = capacity(c, probs.shape[0])
+    experts = every.experts.reshape(-1)[every.kept]
+    kept = [every.kept[experts == e][-cap:] for e in range(c.n_experts)]
+    return Decision(every.experts, torch.cat(kept))
+
+
+@pytest.mark.sabotage
+@pytest.mark.parametrize("bug", [_half_capacity, _lowest_probability_kept], ids=["capacity", "drop-order"])
+def test_the_check_catches_a_layout_that_routes_by_another_rule(bug, monkeypatch):
+    """The layout's ranks apply a wrong capacity or drop the wrong assignments: their
+    decisions are not what the rule gives on their own probabilities, a routing problem."""
+    monkeypatch.setattr(mm, "choose", _layout_side(bug, choose))
+    rep = check(_run(steps=1, dp=2, ep=2))
+    assert not rep.passed and any("not what its own probabilities give" in p for p in rep.problems)
+
+
+# -- sabotage (expert parallelism) ------------------------------------------------------------------
+@pytest.mark.sabotage
 def test_the_check_catches_expert_gradients_averaged_by_the_smaller_group(monkeypatch):
     """Dividing by the expert-data-parallel group's size only (grad_scale 1 instead of 1/ep)
     gives expert gradients ep times too large."""
@@ -126,6 +240,7 @@ def test_the_check_catches_expert_gradients_averaged_by_the_smaller_group(monkey
     assert "experts" in worst.name and worst.max_rel > 0.5
 
 
+@pytest.mark.sabotage
 def test_the_check_catches_a_token_sent_to_the_wrong_expert(monkeypatch):
     """The receiving rank cuts its tokens into its experts' batches with the counts in the
     wrong order: tokens meet another expert than their router chose."""
@@ -139,6 +254,7 @@ def test_the_check_catches_a_token_sent_to_the_wrong_expert(monkeypatch):
     assert not rep.passed and rep.worst("loss").max_rel > 1e-6
 
 
+@pytest.mark.sabotage
 def test_the_check_catches_router_gradients_not_summed_over_tensor_parallel_slices(monkeypatch):
     import tensor_parallel.plan as plan
     monkeypatch.setattr(plan, "copy_to_tp", lambda w, group, label: w if "router" in label else

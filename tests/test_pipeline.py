@@ -55,6 +55,7 @@ def test_uneven_stages_from_a_list():
     assert rep.passed
 
 
+@pytest.mark.sabotage
 def test_the_check_catches_gradients_received_in_the_wrong_order(monkeypatch):
     """Rank 0 runs its backwards in reverse: it pairs each microbatch with another's
     output gradient (same shapes), a silent bug only the equivalence check sees."""
@@ -196,6 +197,7 @@ def test_the_inputs_kept_for_w_count_as_activations_until_w():
         assert memory.activations == 0
 
 
+@pytest.mark.sabotage
 def test_the_check_catches_a_lost_weight_gradient(monkeypatch):
     """Sabotage: W drops the last deferred layer of each microbatch (the first linear layer
     of the chunk); ZB-H1 must then fail the equivalence check."""

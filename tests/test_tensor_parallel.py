@@ -33,6 +33,7 @@ def test_tensor_parallel_with_ddp_on_one_mesh(dp, tp, sp):
     assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
 
 
+@pytest.mark.sabotage
 def test_the_check_catches_sequence_parallel_norms_without_their_gradient_all_reduce(monkeypatch):
     import tensor_parallel.plan
     monkeypatch.setattr(tensor_parallel.plan, "copy_to_tp", lambda w, group, label: w)

@@ -53,6 +53,19 @@ def test_stage_0_and_bfloat16_mixed_precision_match_one_device():
     assert rep.passed, [r for r in rep.rows if not r.ok]
 
 
+@pytest.mark.sabotage
+def test_the_check_catches_an_optimizer_that_differs_only_where_gradients_are_tiny(monkeypatch):
+    """ZeRO's sharded AdamW with eps 1e-6 instead of 1e-8: the gradients are right and the
+    update differs only in elements whose gradient is near eps; each weight element is judged
+    against AdamW's own bound, so the check still fails."""
+    import zero.zero
+    real = zero.zero.adamw
+    monkeypatch.setattr(zero.zero, "adamw", lambda params, **kw: real(params, **{**kw, "eps": 1e-6}))
+    rep = check(_run(1, 2, microbatches=1, steps=2))
+    assert not rep.passed and rep.worst("grad").ok and not rep.worst("weight").ok
+
+
+@pytest.mark.sabotage
 def test_the_check_catches_a_zero_that_sums_instead_of_averaging(monkeypatch):
     import types
 
