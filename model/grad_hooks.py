@@ -13,6 +13,12 @@ Parameters are grouped (buckets, units). In each backward:
 
 `no_sync()` sets `require_sync` False inside it: the callbacks read it to decide whether
 to reduce (gradient accumulation reduces once, at the last microbatch).
+
+A syncing backward may give none of a wrapper's parameters a gradient: a pipeline's split
+backward (zero-bubble) gives the parameters outside linear layers (the experts' batched
+weights) theirs in the I pass, under `no_sync`, and syncs in the W pass. `ended` counts
+the backwards this object has ended; `end()` ends one by hand, every group pending, so
+the gradients accumulated before are reduced as any unused parameter's would be.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ class GradientReady:
         self._group_of = {p: i for i, m in enumerate(self._members) for p in m}
         self.on_ready, self.on_end, self.on_grad = on_ready, on_end, on_grad
         self.require_sync = True
+        self.ended = 0  # backwards ended (by the engine's callback, or by `end`)
         self._armed = False
         self._pending = [set(m) for m in self._members]
         # the hooks live on the parameters, outside what Python's garbage collector sees: a
@@ -73,6 +80,14 @@ class GradientReady:
         self.on_end()
         self._pending = [set(m) for m in self._members]
         self._armed = False
+        self.ended += 1
+
+    def end(self) -> None:
+        """End a syncing backward that gave none of these parameters a gradient: each group's
+        accumulated gradients are reduced as at the end of a backward."""
+        if self._armed:
+            raise RuntimeError("GradientReady.end() inside a backward that reached these parameters")
+        self._end_of_backward()
 
     def remove(self) -> None:
         for h in self._hooks:

@@ -19,7 +19,9 @@
 With data parallelism each chunk has its data-parallel wrapper (DDP, or ZeRO-1: anything
 with `no_sync()`), and every backward of the step runs under `no_sync` except the chunk's
 last one (its last B, or W): the gradients are reduced across DP once per step, as soon
-as that stage has finished them.
+as that stage has finished them. In split backward a wrapper can hold only parameters
+outside linear layers (the experts'), whose gradients all come in the I passes: the
+syncing W then ends their reduction too (`synced()`).
 
 `hidden_shape(tokens)` gives the shape of the activations a stage receives for a
 microbatch of `tokens` (with sequence parallelism, the rank's slice of the sequence).
@@ -72,8 +74,15 @@ class PipelineExecutor:
         return actions, _last_backward(actions)
 
     def _sync(self, chunk: int, sync: bool):
-        """Data parallelism reduces the gradients in this backward call only when `sync`."""
-        return contextlib.nullcontext() if sync or self.syncs is None else self.syncs[chunk].no_sync()
+        """Data parallelism reduces the gradients in this backward call only when `sync` (a
+        wrapper's `synced()`, where it has one, also reduces what earlier backwards gave
+        parameters this one does not reach: split backward's I passes)."""
+        if self.syncs is None:
+            return contextlib.nullcontext()
+        if not sync:
+            return self.syncs[chunk].no_sync()
+        synced = getattr(self.syncs[chunk], "synced", None)
+        return synced() if synced is not None else contextlib.nullcontext()
 
     def _stage(self, chunk: int) -> int:
         return chunk * self.p + self.rank

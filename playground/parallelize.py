@@ -102,6 +102,17 @@ class Syncs:
                 stack.enter_context(w.no_sync())
             yield
 
+    @contextlib.contextmanager
+    def synced(self):
+        """The backward that reduces the step's gradients. A wrapper none of whose parameters
+        got a gradient in it ends it by hand (model.grad_hooks): in a pipeline's split backward
+        the experts' wrapper has all its gradients from the I passes, and W syncs."""
+        before = [w.ready.ended for w in self.wrappers]
+        yield
+        for w, n in zip(self.wrappers, before):
+            if w.ready.ended == n:
+                w.ready.end()
+
     def scale_loss(self, loss):
         return self.wrappers[0].scale_loss(loss) if self.wrappers else loss
 

@@ -36,6 +36,10 @@ CASES = {
     "ep4-E8-k1-dropless": dict(dp=4, ep=4, model=BASE.with_(n_experts=8, top_k=1, capacity_factor=0.0)),
     "dp4-ep2": dict(dp=4, ep=2),
     "pp2-ep2": dict(pp=2, dp=2, ep=2, microbatches=4),
+    # split backward: the experts' weights get their gradients in I, and W syncs (their wrapper
+    # must reduce them then; found by benchmarks/check_sweep.py)
+    "pp2-ep2-zb1": dict(pp=2, dp=2, ep=2, microbatches=4, schedule="zb1"),
+    "pp2-tp2-sp-zb1-zero1": dict(pp=2, tp=2, sequence_parallel=True, microbatches=2, schedule="zb1", zero=1),
     "ep2-zero1": dict(dp=2, ep=2, zero=1),
     "ep2-zero3": dict(dp=2, ep=2, zero=3),
     "cp2-ep2": dict(cp=2, ep=2),
