@@ -10,11 +10,16 @@ do for attention dropout: their heads differ), from a generator of its own:
 - on CUDA (the torch backend: one rank per process) torch's fused `native_dropout` kernel,
   drawing from the device's default generator;
 - elsewhere (the simulated ranks, threads of one process: torch's default CPU generator
-  would be shared by all of them) a `torch.Generator` per attention module, seeded from
-  (seed, rank, layer) by `seed_dropout`; the arithmetic runs op by op, priced as torch's
-  fused kernels (forward reads the probabilities and writes them and a one-byte mask,
-  backward reads the gradient and the mask and writes a gradient);
+  would be shared by all of them) a `torch.Generator` per attention module; the
+  arithmetic runs op by op, priced as torch's fused kernels (forward reads the
+  probabilities and writes them and a one-byte mask, backward reads the gradient and the
+  mask and writes a gradient);
 - on the meta device (planning) no random numbers: shapes only.
+
+Every generator is seeded at the start of each step from (seed, rank, layer, step)
+(`seed_dropout`), so the masks are a function of the step, as the data is: a run resumed
+from a checkpoint at step k draws what the uninterrupted run drew (Contract 5), with no
+generator state to save.
 
 Recomputation (activation checkpointing) must draw the same masks as the first forward:
 activation_checkpointing/checkpoint.py saves the state of every generator in `generators`
@@ -83,11 +88,12 @@ def generators(module) -> list:
     return list(seen.values())
 
 
-def seed_dropout(model, seed: int, rank: int) -> None:
+def seed_dropout(model, seed: int, rank: int, step: int = 0) -> None:
     """Seed each dropout module's generator of `model` (one rank's part) from (seed, rank,
-    layer), so that ranks and layers draw different masks and a run is reproducible."""
+    layer, step), so that ranks, layers and steps draw different masks and any step of a run
+    draws the same ones however the run got there (resumed or not)."""
     for name, m in model.named_modules():
         g = getattr(m, "generator", None)
         if isinstance(g, torch.Generator):
             layer = int(name.split(".")[1]) if name.startswith("blocks.") else 0
-            g.manual_seed((seed * 1_000_003 + rank) * 10_007 + layer)
+            g.manual_seed(((seed * 1_000_003 + rank) * 10_007 + layer) * 1_000_033 + step)

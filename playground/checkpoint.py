@@ -24,9 +24,11 @@ Loading (resharding): for each tensor a rank needs, the saved pieces of the same
 kind whose range of the full tensor overlaps the needed one are read and assembled into
 the full tensor, and the local piece is cut from it by its placement: TP slices with their
 vocabulary padding, ZeRO flat shards with theirs, pipeline stages, expert ranges. AdamW's
-step count is the checkpoint's step (every parameter has taken every step). Nothing in
-training is random beyond the data, a function of (seed, step): resuming at step k reads
-the same batches an uninterrupted run would.
+step count is the checkpoint's step (every parameter has taken every step). What is random
+in training is a function of (seed, step): the data, and attention dropout's masks
+(model/dropout.py reseeds its generators every step from (seed, rank, layer, step)), so
+resuming at step k reads the same batches and draws the same masks an uninterrupted run
+would; the fp16 loss scalers' state is in the index.
 
 torch.distributed.checkpoint is not used: it needs torch.distributed's process groups
 (simulated ranks are threads with none) and describes shards as DTensor placements, which
@@ -76,8 +78,9 @@ def has_checkpoint(directory: str) -> bool:
 
 
 # -- saving -------------------------------------------------------------------------------------
-def save(world, model, directory: str, step: int, meta: dict) -> None:
-    """Every rank of `world` calls this after the optimizer step of `step` steps."""
+def save(world, model, directory: str, step: int, meta: dict) -> int:
+    """Every rank of `world` calls this after the optimizer step of `step` steps; returns
+    the bytes the checkpoint's files hold."""
     pieces = model.state_pieces()
     keys = [_key(kind, pl) for kind, pl, _ in pieces]
     everyone = world.all_gather_object(keys)
@@ -116,6 +119,7 @@ def save(world, model, directory: str, step: int, meta: dict) -> None:
             if old.startswith("step") and old != data and os.path.isdir(os.path.join(directory, old)):
                 shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
     world.barrier()
+    return sum(size for _, size, _ in gathered)
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -255,6 +259,28 @@ def load(model, directory: str, index: dict) -> int:
     for scaler, saved in zip(getattr(model.optimizer, "scalers", []), index.get("scalers", [])):
         scaler.scale, scaler.good_steps, scaler.skipped = saved["scale"], saved["good_steps"], saved["skipped"]
     return index["step"]
+
+
+def resume_point(index: dict, directory: str, run) -> tuple:
+    """(the step `run` resumes at from this checkpoint, a note or None): raises CheckpointError
+    when nothing is left to run (`run.steps` is the run's total, and the checkpoint is at or
+    past it); the note says when the layout changes the global batch (the steps from here
+    on then see other batches than the saved run's would)."""
+    step = index["step"]
+    if step >= run.steps:
+        raise CheckpointError(f"--resume {directory}: the checkpoint is at step {step}, and --steps {run.steps} is the "
+                              f"run's total: nothing left to run" + (" (give a larger --steps to train on)"
+                                                                    if step == run.steps else ""))
+    saved = index["layout"]
+    before = saved["dp"] * saved["microbatches"] * saved["micro_batch_size"]
+    now = run.layout
+    if before == now.global_batch:
+        return step, None
+    return step, (f"resuming at step {step} with a global batch of {now.global_batch} sequences (dp {now.dp} × "
+                  f"{now.microbatches} microbatches × {now.micro_batch_size}) where the saved run took {before} (dp "
+                  f"{saved['dp']} × {saved['microbatches']} × {saved['micro_batch_size']}): the steps from here on see "
+                  f"other batches; keep {before} sequences (e.g. --microbatches "
+                  f"{max(1, before // (now.dp * now.micro_batch_size))}) to continue the same run")
 
 
 def metadata(run, model) -> dict:

@@ -22,7 +22,11 @@ from pipeline.schedules import SCHEDULES
 from sequence_parallel.balance import BALANCES, IMPLEMENTATIONS
 
 from .fits import DEFAULT_HEADROOM, check_headroom
+from .layout import Layout
 from .run_config import DTYPES
+
+# --dtype by verb (argparse's parents share one action among the verbs, so its default is set here)
+DEFAULT_DTYPE = {"train": "float32", "check": "float64", "plan": "bfloat16"}
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
@@ -83,16 +87,18 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule with --pp")
     g.add_argument("--microbatches", type=int, default=1,
                    help="microbatches per step per DP rank (gradient accumulation, or the pipeline's m)")
-    g.add_argument("--micro-batch-size", type=int, default=4, help="sequences per microbatch")
+    g.add_argument("--micro-batch-size", type=int, default=Layout.micro_batch_size, help="sequences per microbatch")
     g.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
     g.add_argument("--stage-layers", help="blocks per pipeline stage, comma-separated, e.g. 1,3 (default: even)")
     t = common.add_argument_group("training")
-    t.add_argument("--steps", type=int, help="optimizer steps (default: 20 for train, 3 for check)")
+    t.add_argument("--steps", type=int, help="optimizer steps in all (default: 20 for train, 3 for check); a run "
+                                              "resumed with --resume continues to this step")
     t.add_argument("--lr", type=float, help="AdamW learning rate (default: the preset's, e.g. "
                                             + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items()) + ")")
-    t.add_argument("--dtype", default="float32", choices=DTYPES,
+    t.add_argument("--dtype", choices=DTYPES,
                    help="bfloat16: float32 weights with bf16 compute; float16: ZeRO's fp16 compute copies with "
-                        "dynamic loss scaling")
+                        "dynamic loss scaling (default: " + ", ".join(f"{d} for {v}" for v, d in DEFAULT_DTYPE.items())
+                        + ": a check's PASS proves most in float64)")
     t.add_argument("--bf16-copies", action="store_true",
                    help="--dtype bfloat16 without --zero: bf16 compute copies of the weights with fp32 master weights "
                         "(ZeRO's engine at stage 0, as plan prices it) instead of autocast")
@@ -152,7 +158,6 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--exact", type=int, default=3,
                     help="with --search: how many of the fastest to plan in full (the others are estimated from "
                          "shallow plans, marked *)")
-    pl.set_defaults(dtype="bfloat16")
     c = sub.add_parser("calibrate", formatter_class=_Help,
                        help="measure this machine's kernels and links and write a hardware profile (--hardware FILE)")
     c.add_argument("--backend", default="torch", choices=["torch", "gloo"],
@@ -290,25 +295,26 @@ def run_config(args, default_steps: int, meta: bool = False):
     if args.trace and not args.hardware:
         raise ValueError("--trace needs --hardware: without a profile there is no simulated time to draw")
     make_source(args.data, cfg.vocab_size, args.seed, cfg.seq_len)  # a bad data file fails here
-    _check_checkpoints(args, cfg)
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.model]
-    run = RunConfig(model=cfg, layout=layout, steps=args.steps or default_steps, lr=lr, dtype=args.dtype,
+    run = RunConfig(model=cfg, layout=layout, steps=args.steps or default_steps, lr=lr,
+                    dtype=args.dtype or DEFAULT_DTYPE[args.verb],
                     reduce_dtype=args.reduce_dtype, seed=args.seed, data=args.data, bucket_cap_mb=args.bucket_mb,
                     grad_overlap=not args.no_grad_overlap,
                     backend=args.backend, progress=not args.no_progress, hardware=args.hardware,
                     count_every_step=args.count_every_step, save=args.save, save_every=args.save_every,
                     resume=args.resume, init_from=args.init_from, compile=args.compile,
                     bf16_copies=bool(getattr(args, "bf16_copies", False)))
+    _check_checkpoints(args, cfg, run)
     if run.backend == "sim" and not meta:  # (a plan's ranks hold meta tensors: no memory)
         check_simulated_memory(run)
     return run
 
 
-def _check_checkpoints(args, cfg) -> None:
+def _check_checkpoints(args, cfg, run) -> None:
     """--resume, --save and --init-from, checked before any rank starts."""
-    from .checkpoint import CheckpointError, has_checkpoint, read_index
+    from .checkpoint import CheckpointError, has_checkpoint, read_index, resume_point
     if args.resume:
-        read_index(args.resume, cfg)
+        resume_point(read_index(args.resume, cfg), args.resume, run)
     if args.save:
         if os.path.exists(args.save) and not os.path.isdir(args.save):
             raise CheckpointError(f"--save {args.save}: exists and is not a folder")

@@ -40,7 +40,7 @@ class Layout:
     microbatches: int = 1
     virtual_stages: int = 1
     sequence_parallel: bool = False
-    micro_batch_size: int = 1
+    micro_batch_size: int = 4  # (the command line's default is this one)
     stage_layers: tuple | None = None  # blocks per pipeline stage (pp·virtual_stages of them); None: even
     cp_impl: str = "ring"  # context parallelism: "ring" attention or "ulysses" all-to-all
     cp_balance: str = "zigzag"  # which sequence chunks a cp rank holds: "zigzag" or "contiguous"

@@ -20,7 +20,7 @@ def torch_dtype(name: str):
 class RunConfig:
     model: GPTConfig = field(default_factory=lambda: preset("tiny"))
     layout: Layout = field(default_factory=Layout)
-    steps: int = 10
+    steps: int = 10  # the run's total: a resumed run continues to this step
     lr: float = 3e-3
     betas: tuple = (0.9, 0.95)
     weight_decay: float = 0.0
@@ -73,6 +73,9 @@ class RunConfig:
             raise ValueError(f"--save-every {self.save_every}: must be at least 1")
         if self.save_every is not None and not self.save:
             raise ValueError("--save-every needs --save DIR")
+        if self.resume and self.init_from:
+            raise ValueError(f"--resume {self.resume} continues a run from its checkpoint's weights and moments; "
+                             f"--init-from {self.init_from} starts a new one from a state_dict: give one of them")
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.compile and self.backend == "sim":

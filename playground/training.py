@@ -23,6 +23,7 @@ from simulator import MemoryTracker, SimulatedTime
 from model.data import make_source
 
 from model import GPT
+from model.dropout import seed_dropout
 
 from . import checkpoint
 from .parallelize import data_parallel_group, parallelize
@@ -93,12 +94,13 @@ def _device(run: RunConfig) -> str:
     return "cpu"
 
 
-def _progress_bar(steps: int):
-    """Rank 0's progress bar. One process writes it, so tqdm gets a thread lock: its default
-    multiprocessing lock would be left behind (and reported by multiprocessing's resource
-    tracker) when a gloo rank process is stopped."""
+def _progress_bar(steps: int, start: int = 0):
+    """Rank 0's progress bar (from `start`, a resumed run's first step, to `steps`). One
+    process writes it, so tqdm gets a thread lock: its default multiprocessing lock would be
+    left behind (and reported by multiprocessing's resource tracker) when a gloo rank
+    process is stopped."""
     tqdm.set_lock(threading.RLock())
-    return tqdm(total=steps, desc="train", unit="step", dynamic_ncols=True)
+    return tqdm(total=steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
 
 
 def _state(model) -> list:
@@ -119,7 +121,9 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
     `source`: the data source, built once by the driver and shared (read only) by the
     simulated ranks; built here when None (gloo and torch processes). `init`: the reference
     GPT's state_dict to start from (--init-from). With `run.resume` the steps continue from
-    the checkpoint's (any layout); with `run.save` checkpoints are written. `grads_at`: the
+    the checkpoint's (any layout) up to `run.steps`, the run's total (as Megatron-LM's
+    --train-iters): relaunching the same command after a crash finishes the same run. With
+    `run.save` checkpoints are written, at every `save_every`-th step and at the last. `grads_at`: the
     step whose gradients `collect` returns (default: the first this run takes)."""
     layout, cfg = run.layout, run.model
     mesh = Mesh(world, **layout.mesh_axes())
@@ -145,15 +149,15 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
     out = {"losses": [], "step_times": [], "host_blocked": [], "sim_steps": [], "memory": None, "moe": [], "start": start}
     timing = world.timing if run.hardware else None  # the simulator's clock and compute model
     clock = timing.clock if timing else None
-    bar = _progress_bar(run.steps) if run.progress and world.rank == 0 else None
+    bar = _progress_bar(run.steps, start) if run.progress and world.rank == 0 else None
     # on a GPU with no progress bar to show it, each step's loss is read after the run: reading
     # it (and waiting for its average) at every step would stall the host until the device is idle
     deferred = device.startswith("cuda") and bar is None and not run.save
     losses = []
     mine = slice(dp.rank * rows, (dp.rank + 1) * rows)  # this rank's rows of each global batch
-    prefetch = Prefetch(source, layout.global_batch, cfg.seq_len, mine, device, start, start + run.steps) \
+    prefetch = Prefetch(source, layout.global_batch, cfg.seq_len, mine, device, start, run.steps) \
         if device.startswith("cuda") else None
-    for i, step in enumerate(range(start, start + run.steps)):  # (the data is a function of the step)
+    for i, step in enumerate(range(start, run.steps)):  # (the data is a function of the step)
         t0, blocked0 = time.perf_counter(), world.host_blocked()
         replay = None if run.count_every_step else ("record" if i == 1 else "replay" if i > 1 else None)
         counted = timing.compute_model.step(replay) if timing else contextlib.nullcontext()
@@ -161,6 +165,9 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
         # torch profiler's steady state is cut (benchmarks/gpu_profile.py)
         with torch.profiler.record_function("train.step"), counted:  # counting: on, recorded or replayed
             sim0 = clock.breakdown() if clock else None
+            if cfg.attention_dropout:  # the masks are a function of the step, as the data is
+                for part in model.parts:
+                    seed_dropout(part, run.seed, mesh.rank, step)
             if prefetch is not None:
                 local = prefetch.batch(step)
             else:
@@ -182,7 +189,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
             if cfg.n_experts:  # this rank's routing statistics of the step, per MoE layer it holds
                 out["moe"].append({layer.index: dict(vars(layer.stats)) for layer in model.moe_layers})
             work = replicas.all_reduce(total, op=ReduceOp.AVG, label="metrics.loss", async_op=deferred)
-            if i == run.steps - 1:  # model states after the last step; the peaks are the tracker's own
+            if step == run.steps - 1:  # model states after the last step; the peaks are the tracker's own
                 out["memory"] = memory.snapshot(states=MemoryTracker.measure(model.state_tensors()))
             if clock:
                 sim1 = clock.breakdown()
@@ -193,8 +200,11 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
                 out["losses"].append(total.item())
         out["step_times"].append(time.perf_counter() - t0)
         out["host_blocked"].append(world.host_blocked() - blocked0)
-        if run.save and ((i + 1) % (run.save_every or run.steps) == 0 or i == run.steps - 1):
-            checkpoint.save(world, model, run.save, step + 1, checkpoint.metadata(run, model))
+        if run.save and ((step + 1) % (run.save_every or run.steps) == 0 or step == run.steps - 1):
+            written = checkpoint.save(world, model, run.save, step + 1, checkpoint.metadata(run, model))
+            if world.rank == 0:  # one line per checkpoint, under the progress bar
+                (bar.write if bar is not None else print)(f"checkpoint: step {step + 1} saved to {run.save} "
+                                                          f"({written / 2**20:,.1f} MiB)", file=sys.stderr)
         if bar is not None:
             bar.set_postfix(loss=f"{out['losses'][-1]:.4f}", tok_s=f"{run.tokens_per_step / out['step_times'][-1]:,.0f}")
             bar.update()
@@ -265,7 +275,12 @@ class TrainResult:
 
 
 def train(run: RunConfig, collect: bool = False, grads_at: int | None = None) -> TrainResult:
+    """Train `run` (from its checkpoint to `run.steps` with --resume) on its backend."""
     run.layout.validate(run.model)
+    if run.resume:
+        _, note = checkpoint.resume_point(checkpoint.read_index(run.resume, run.model), run.resume, run)
+        if note:
+            print(f"playground: {note}", file=sys.stderr)
     if run.hardware and run.model.n_experts and not run.count_every_step:
         # token counts change from step to step: a recorded step's compute cannot be replayed
         print("playground: experts route different token counts every step, so every step's ops are counted "

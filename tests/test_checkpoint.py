@@ -29,10 +29,11 @@ def _full(res, key):
 
 
 def _resumed(a, b, tmp_path, k=2, m=2, dtype="float64", model=CFG):
-    """(uninterrupted k + m steps in layout a, k steps in a saved then m resumed in b)."""
+    """(uninterrupted k + m steps in layout a, k steps in a saved then resumed in b to step
+    k + m: --steps is the run's total)."""
     whole = train(_run(a, k + m, dtype, model), collect=True, grads_at=k)
     train(_run(a, k, dtype, model, save=str(tmp_path)))
-    resumed = train(_run(b, m, dtype, model, resume=str(tmp_path)), collect=True)
+    resumed = train(_run(b, k + m, dtype, model, resume=str(tmp_path)), collect=True)
     return whole, resumed
 
 
@@ -43,6 +44,10 @@ SAME_LAYOUT = {
     "pp2-1f1b": (Layout(pp=2, microbatches=3, micro_batch_size=1), CFG),
     "cp2": (Layout(cp=2, dp=2, micro_batch_size=2), CFG),
     "ep2": (Layout(dp=2, ep=2, micro_batch_size=2), MOE),
+    # attention dropout: the masks are a function of (seed, rank, layer, step), as the data is
+    "dp2-dropout": (Layout(dp=2, micro_batch_size=2), CFG.with_(attention="unfused", attention_dropout=0.1)),
+    "pp2-dropout-ac": (Layout(pp=2, microbatches=4, micro_batch_size=1, ac="full"),
+                       CFG.with_(attention="unfused", attention_dropout=0.1)),
 }
 
 
@@ -104,11 +109,11 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint_whole(tmp_path, mo
         return real(t)
     monkeypatch.setattr(ck, "_bytes", dies)
     with pytest.raises(RankFailedError, match="disk died"):
-        train(_run(layout, 2, save=str(tmp_path), resume=str(tmp_path)))
+        train(_run(layout, 4, save=str(tmp_path), resume=str(tmp_path)))
     monkeypatch.setattr(ck, "_bytes", real)
     assert json.loads((tmp_path / "index.json").read_text()) == before  # the index still names the old data
     whole = train(_run(layout, 4))
-    resumed = train(_run(layout, 2, resume=str(tmp_path)))
+    resumed = train(_run(layout, 4, resume=str(tmp_path)))
     assert resumed.losses == whole.losses[2:]
 
 
@@ -149,7 +154,7 @@ def _spoil(d, how):
 def test_a_bad_checkpoint_is_refused_in_one_line(how, tmp_path):
     d = _saved(tmp_path)
     file, message = _spoil(d, how)
-    p = _cli("train", "--dp", "2", "--steps", "1", "--no-progress", "--resume", str(d))
+    p = _cli("train", "--dp", "2", "--steps", "3", "--no-progress", "--resume", str(d))
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and message in p.stderr and file in p.stderr, p.stderr
 
 
@@ -184,6 +189,166 @@ def test_export_gives_the_reference_state_dict_and_init_from_starts_there(tmp_pa
 def test_a_checkpoint_written_by_gloo_processes_resumes_on_simulated_ranks(tmp_path):
     whole = train(_run(Layout(dp=2, micro_batch_size=2), 3))
     train(_run(Layout(dp=2, micro_batch_size=2), 2, save=str(tmp_path), backend="gloo"))
-    resumed = train(_run(Layout(dp=2, micro_batch_size=2), 1, resume=str(tmp_path)))
+    resumed = train(_run(Layout(dp=2, micro_batch_size=2), 3, resume=str(tmp_path)))
     assert resumed.losses == whole.losses[2:]
     assert sorted(os.listdir(tmp_path)) == ["index.json", "step000002"]
+
+
+def test_steps_is_the_runs_total_and_relaunching_a_finished_run_says_so(tmp_path, capsys):
+    """Relaunching the same command after a crash finishes the same run: the resumed run
+    stops at --steps; a checkpoint already at --steps leaves nothing to run, in one line."""
+    layout = Layout(dp=2, micro_batch_size=2)
+    train(_run(layout, 2, save=str(tmp_path), save_every=1))
+    resumed = train(_run(layout, 3, resume=str(tmp_path)))
+    assert resumed.start == 2 and len(resumed.losses) == 1
+    from playground.checkpoint import CheckpointError
+    with pytest.raises(CheckpointError, match=r"at step 2, and --steps 2 is the run's total: nothing left to run"):
+        train(_run(layout, 2, resume=str(tmp_path)))
+    p = _cli("train", "--model-config", "vocab_size=61", "--dp", "2", "--micro-batch-size", "2", "--steps", "2",
+             "--no-progress", "--dtype", "float64", "--resume", str(tmp_path))
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "nothing left to run" in p.stderr, p.stderr
+
+
+def test_each_checkpoint_written_is_one_line(tmp_path):
+    p = _cli("train", "--dp", "2", "--steps", "3", "--save-every", "1", "--save", str(tmp_path / "ck"))
+    assert p.returncode == 0, p.stderr
+    lines = [x for x in p.stderr.splitlines() if x.startswith("checkpoint:")]
+    assert [x.split(" saved")[0] for x in lines] == [f"checkpoint: step {k}" for k in (1, 2, 3)], p.stderr
+    assert all(str(tmp_path / "ck") in x and "MiB" in x for x in lines)
+
+
+def test_a_resume_that_changes_the_global_batch_says_so(tmp_path, capsys):
+    train(_run(Layout(dp=4, micro_batch_size=2), 1, save=str(tmp_path)))
+    capsys.readouterr()
+    train(_run(Layout(dp=2, micro_batch_size=2), 2, resume=str(tmp_path)))
+    err = capsys.readouterr().err
+    assert "a global batch of 4 sequences (dp 2 × 1 microbatches × 2) where the saved run took 8" in err
+    assert "--microbatches 2" in err  # what keeps the run the same
+    train(_run(Layout(dp=2, microbatches=2, micro_batch_size=2), 2, resume=str(tmp_path)))
+    assert "global batch" not in capsys.readouterr().err
+
+
+def test_resume_and_init_from_together_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="give one of them"):
+        RunConfig(resume=str(tmp_path), init_from=str(tmp_path / "x.pt"))
+    d = _saved(tmp_path)
+    p = _cli("train", "--steps", "3", "--resume", str(d), "--init-from", str(tmp_path / "x.pt"))
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "give one of them" in p.stderr, p.stderr
+
+
+def test_the_fp16_loss_scalers_state_is_resumed(tmp_path, monkeypatch):
+    """float16 under ZeRO: the scale doubles every good step here (growth interval 1), so a
+    resumed run that dropped the scaler's state would train at another scale and count other
+    good steps; resumed, losses, weights and the scaler equal the uninterrupted run's."""
+    import zero.loss_scaler as ls
+    real = ls.DynamicLossScaler.__init__
+    monkeypatch.setattr(ls.DynamicLossScaler, "__init__",
+                        lambda self, init_scale=2.0 ** 8, **kw: real(self, init_scale, growth_interval=1))
+    layout = Layout(dp=2, zero=1, micro_batch_size=2)
+    whole = train(_run(layout, 4, "float16", save=str(tmp_path / "whole")), collect=True)
+    train(_run(layout, 2, "float16", save=str(tmp_path / "part")))
+    resumed = train(_run(layout, 4, "float16", save=str(tmp_path / "part"), resume=str(tmp_path / "part")),
+                    collect=True)
+    assert resumed.losses == whole.losses[2:]
+    a, b = _full(whole, "weights"), _full(resumed, "weights")
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    scalers = [json.loads((tmp_path / d / "index.json").read_text())["scalers"] for d in ("whole", "part")]
+    assert scalers[0] == scalers[1] and scalers[0][0]["good_steps"] == 4 and scalers[0][0]["scale"] == 2.0 ** 12
+
+
+# -- resharding, element by element ------------------------------------------------------------------
+KIND_OFFSET = {"param": 0, "exp_avg": 100_000, "exp_avg_sq": 200_000}
+RESHARD_CFG = preset("tiny", vocab_size=61)  # (61: the vocabulary is padded for tp 2)
+
+
+def _numbered(kind: str, pl):
+    """The full tensor of `pl.name` whose every element holds its own flat index (plus the kind's offset)."""
+    n = int(torch.Size(pl.shape).numel())
+    return (torch.arange(n, dtype=torch.float64) + KIND_OFFSET[kind]).view(pl.shape)
+
+
+def _layout(name: str) -> Layout:
+    """'dp3-tp2-zero1' -> Layout(dp=3, tp=2, zero=1)."""
+    axes = {k: int(v) for k, v in (((p.rstrip("0123456789"), p[len(p.rstrip("0123456789")):]) for p in name.split("-")))}
+    return Layout(micro_batch_size=1, microbatches=axes.get("pp", 1), **axes)
+
+
+def _build(world, layout):
+    from collectives import Mesh
+    from playground.parallelize import parallelize
+    run = RunConfig(model=RESHARD_CFG, layout=layout, dtype="float64", progress=False)
+    return run, parallelize(GPT(RESHARD_CFG, dtype=torch.float64, device="meta"), Mesh(world, **layout.mesh_axes()),
+                            run, "cpu")
+
+
+def _save_numbered(world, layout, folder):
+    from playground import checkpoint
+    run, model = _build(world, layout)
+    model.load_state(lambda kind, pl: pl.local(_numbered(kind, pl)), 1)  # weights and moments: their own indices
+    checkpoint.save(world, model, folder, 1, checkpoint.metadata(run, model))
+
+
+def _load_and_compare(world, layout, folder):
+    """Every local weight and moment after loading, against the numbered tensor it is a piece of."""
+    from playground import checkpoint
+    _, model = _build(world, layout)
+    checkpoint.load(model, folder, checkpoint.read_index(folder, RESHARD_CFG))
+    wrong = []
+    for kind, pl, t in model.state_pieces():
+        want = pl.local(_numbered(kind, pl)).to(t.dtype)
+        if not torch.equal(t.detach().cpu(), want):
+            bad = (t.detach().cpu() != want).nonzero()[0].tolist()
+            wrong.append(f"{kind} {pl.name} {pl}: at local index {bad}")
+    return wrong
+
+
+def _saved_numbered(name, root):
+    from collectives import launch
+    folder = root / name
+    if not (folder / "index.json").exists():
+        launch(_save_numbered, _layout(name).world, args=(_layout(name), str(folder)))
+    return folder
+
+
+def _covered_once(folder):
+    """Every element of every tensor and kind, in the checkpoint's pieces, exactly once."""
+    from model.placement import placement_from_dict
+    index = json.loads((folder / "index.json").read_text())
+    counts = {}
+    for p in index["pieces"]:
+        pl = placement_from_dict(p["placement"])
+        seen = counts.setdefault((p["kind"], pl.name), torch.zeros(int(torch.Size(pl.shape).numel()), dtype=torch.int64))
+        idx = pl.index().reshape(-1)
+        seen.index_add_(0, idx[idx >= 0], torch.ones(int((idx >= 0).sum()), dtype=torch.int64))
+    names = [n for n, _ in GPT(RESHARD_CFG, device="meta").named_parameters()]
+    assert set(counts) == {(k, n) for k in KIND_OFFSET for n in names}
+    return {key: (int((c == 0).sum()), int((c > 1).sum())) for key, c in counts.items() if not (c == 1).all()}
+
+
+def _reshard(a, b, root):
+    from collectives import launch
+    folder = _saved_numbered(a, root)
+    assert _covered_once(folder) == {}, (a, _covered_once(folder))
+    wrong = [w for ws in launch(_load_and_compare, _layout(b).world, args=(_layout(b), str(folder))).values for w in ws]
+    assert not wrong, (a, b, wrong[:3])
+
+
+# ZeRO sizes and TP degrees (and a pipeline), each saved once; the pairs named in the comments
+# once loaded an element as 0 (a flat range's stop read as inclusive) or one element late (a flat
+# range of a TP slice starting after its place)
+SHARDINGS = ["dp1", "dp3-zero1", "dp5-zero1", "dp4-zero3", "dp2-tp2-zero2", "dp3-tp2-zero1", "dp6-tp2-zero1",
+             "dp6-tp2-zero3", "tp2", "pp2-dp2-zero1"]
+PAIRS = [("dp3-zero1", "dp5-zero1"), ("dp5-zero1", "dp3-zero1"), ("dp3-tp2-zero1", "dp6-tp2-zero3"),
+         ("dp6-tp2-zero1", "dp3-tp2-zero1"), ("dp4-zero3", "dp2-tp2-zero2"), ("pp2-dp2-zero1", "dp6-tp2-zero1")]
+
+
+@pytest.mark.parametrize("a,b", PAIRS, ids=[f"{a}->{b}" for a, b in PAIRS])
+def test_resharding_loads_every_element_from_its_own_place(a, b, tmp_path):
+    _reshard(a, b, tmp_path)
+
+
+@pytest.mark.slow
+def test_resharding_between_every_pair_of_shardings(tmp_path):
+    for a in SHARDINGS:
+        for b in SHARDINGS:
+            _reshard(a, b, tmp_path)

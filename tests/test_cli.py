@@ -30,6 +30,19 @@ def test_check_passes_with_exit_zero_and_prints_every_parameter():
     assert "PASS" in p.stdout and "blocks.1.mlp.w_down.weight" in p.stdout
 
 
+@pytest.mark.parametrize("verb,dtype", [("train", "float32"), ("check", "float64"), ("plan", "bfloat16")])
+def test_each_verb_has_its_own_dtype_and_the_command_line_runs_the_apis_layout(verb, dtype):
+    """--dtype's default is the verb's (argparse shares one action among the verbs: a default
+    set for plan once made train and check run bfloat16); with no layout flags the command
+    line runs what Layout() and RunConfig() give in Python."""
+    from playground import Layout, RunConfig
+    from playground.cli import _parser, run_config
+    args = _parser().parse_args([verb] + (["--hardware", "h100-sxm"] if verb == "plan" else []))
+    run_ = run_config(args, default_steps=3, meta=verb == "plan")
+    assert run_.dtype == dtype
+    assert run_.layout == Layout() and run_.layout.micro_batch_size == RunConfig().layout.micro_batch_size == 4
+
+
 def test_check_on_gloo_processes():
     """The pieces of every gradient and weight come back from the processes and assemble."""
     p = run("check", "--dp", "2", "--dtype", "float64", "--backend", "gloo")

@@ -10,7 +10,7 @@ import torch
 
 from activation_checkpointing import checkpoint as ac
 from activation_checkpointing.checkpoint import checkpoint_blocks
-from model import GPT, preset
+from model import GPT, assemble, preset
 from model.dropout import dropout
 from playground import Layout, RunConfig
 from playground.equivalence import check
@@ -77,6 +77,32 @@ def test_a_layout_with_dropout_trains_reproducibly_with_per_rank_masks():
     a, b, none = losses(0.2), losses(0.2), losses(0.0)
     assert a == b and a != none
     assert all(abs(x - y) < 0.2 for x, y in zip(a, none))
+
+
+def _pipeline(ac_mode):
+    cfg = preset("tiny", attention="unfused", attention_dropout=0.2)
+    run = RunConfig(model=cfg, layout=Layout(pp=2, microbatches=4, micro_batch_size=1, ac=ac_mode), steps=2,
+                    dtype="float64", progress=False)
+    res = train(run, collect=True)
+    return res.losses, {k: assemble([v[k] for v in res.values])[0] for k in ("grads", "weights")}
+
+
+def test_a_pipeline_recomputes_each_microbatch_with_its_own_masks():
+    """1F1B with pp 2 and 4 microbatches: a stage runs a second microbatch's forward before
+    recomputing the first's, so each recomputation must restore its own forward's generator
+    state and then give back the later one; with full checkpointing every loss, gradient and
+    weight is bitwise the run's without. Without the replay they differ (so the test can fail)."""
+    plain, full = _pipeline("none"), _pipeline("full")
+    assert plain[0] == full[0]
+    for key in ("grads", "weights"):
+        assert all(torch.equal(plain[1][key][n], full[1][key][n]) for n in plain[1][key]), key
+
+
+def test_a_pipeline_without_the_replay_draws_other_masks(monkeypatch):
+    plain = _pipeline("none")
+    monkeypatch.setattr(ac, "_replaying", lambda rng: contextlib.nullcontext())
+    full = _pipeline("full")
+    assert not all(torch.equal(plain[1]["grads"][n], full[1]["grads"][n]) for n in plain[1]["grads"])
 
 
 def test_the_simulator_prices_dropout_as_torchs_fused_kernels_and_keeps_a_byte_mask():
