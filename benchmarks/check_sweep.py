@@ -121,7 +121,10 @@ def one(index: int, seed: int) -> dict:
     t0 = time.perf_counter()
     rep = check(run)
     closest = max((r for r in rep.rows if r.ratio is not None), key=lambda r: r.ratio, default=None)
+    by = {w: max((r.ratio for r in rep.rows if r.what == w and r.ratio is not None), default=None)
+          for w in ("loss", "grad", "weight", "moments")}
     return {"index": index, "config": describe(run), "dtype": run.dtype, "steps": run.steps, "world": run.layout.world,
+            "by_quantity": {w: (v if v != math.inf else None) for w, v in by.items()},
             "moe": bool(run.model.n_experts), "passed": rep.passed, "ratio": rep.ratio if rep.ratio != math.inf else None,
             "closest": f"{closest.what} {closest.label}" if closest else None, "problems": rep.problems[:3],
             "ties": rep.ties, "tied": rep.tied, "seconds": time.perf_counter() - t0, "attempts": attempts}
@@ -208,12 +211,16 @@ def main():
             if not sel:
                 continue
             median = ok[len(ok) // 2] if ok else None
+            worst = [max((r["by_quantity"][w] for r in sel if r["passed"] and r["by_quantity"][w] is not None),
+                         default=None) for w in ("loss", "grad", "weight", "moments")]
             summary.append([label, len(sel), sum(not r["passed"] for r in sel), _ratio(ok[-1] if ok else None),
                             f"{1 / ok[-1]:.1f}x" if ok and ok[-1] else "-", _ratio(median),
-                            sum(r["ties"] for r in sel)])
-        print_table(f"check sweep: {len(rows)} random correct configurations (seed {args.seed}), {wall / 60:.1f} min",
-                    ["configurations", "n", "FAIL", "largest ratio", "smallest margin", "median ratio",
-                     "near-ties replayed"], summary)
+                            *[_ratio(w) if w is not None else "-" for w in worst], sum(r["ties"] for r in sel)])
+        print_table(f"check sweep: {len(rows)} random correct configurations (seed {args.seed}), {wall / 60:.1f} min "
+                    f"(ratio: a configuration's worst error over its tolerance; by quantity: the largest over the "
+                    f"passing configurations)",
+                    ["configurations", "n", "FAIL", "largest ratio", "smallest margin", "median ratio", "loss", "grad",
+                     "weight", "moments", "near-ties replayed"], summary)
         closest = sorted((r for r in rows if r["passed"]), key=lambda r: -r["ratio"])[:8]
         print_table("the correct configurations closest to their tolerances", ["ratio", "where", "configuration"],
                     [[_ratio(r["ratio"]), r["closest"], r["config"]] for r in closest])

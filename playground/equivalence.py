@@ -308,7 +308,8 @@ def check(run: RunConfig) -> CheckReport:
             diff = (got - want).abs().max().item() if got.numel() else 0.0
             scale = want.abs().max().item() if want.numel() else 0.0
             rel = diff / scale if scale > 0 else diff
-            ratio = None if tol["grad"] is None else (rel / tol["grad"] if scale > 0 else float("inf") * (diff > 0))
+            ratio = None if tol["grad"] is None else \
+                0.0 if diff == 0 else rel / tol["grad"] if scale > 0 else float("inf")  # (a zero reference: exact only)
             worst.setdefault(("grad", name), _Worst()).add(step, diff, rel, ratio)
         before, after = states[step]["param"], states[step + 1]
         for name in r["grads"]:

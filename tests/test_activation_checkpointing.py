@@ -37,8 +37,9 @@ def _assert_passed(rep):
     assert rep.worst("grad").max_rel < 1e-12 and rep.worst("weight").max_rel < 1e-10
 
 
-@pytest.mark.parametrize("name,mode", [(n, "full") for n in LAYOUTS] + [(n, "selective") for n in LAYOUTS
-                                                                         if n not in ("one-rank", "cp2-ulysses")])
+@pytest.mark.parametrize("name,mode", [(n, "full") for n in LAYOUTS] + [
+    pytest.param(n, "selective", marks=() if n == "dp2-zero3" else pytest.mark.slow) for n in LAYOUTS
+    if n not in ("one-rank", "cp2-ulysses")])
 def test_checkpointing_matches_one_device(name, mode):
     _assert_passed(check(_run(mode, **LAYOUTS[name])))
 

@@ -41,6 +41,7 @@ def test_the_measured_shapes_and_classes():
         ["matmul", "matmul", "copy", "copy", "attention", "elementwise"]
 
 
+@pytest.mark.slow
 def test_calibrate_writes_a_profile_that_plan_takes(tmp_path):
     out = tmp_path / "cpu.json"
     r = subprocess.run([sys.executable, "-m", "playground", "calibrate", "--backend", "gloo", "--world", "2",

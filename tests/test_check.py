@@ -75,7 +75,8 @@ def test_the_adamw_bound_holds_for_gradients_perturbed_up_to_the_tolerance(step,
     assert worst > 1e-3  # the bound follows the arithmetic, it is not a blanket
 
 
-@pytest.mark.parametrize("axes", [dict(tp=2), dict(cp=2), dict(cp=2, cp_impl="ulysses")],
+@pytest.mark.parametrize("axes", [dict(tp=2), pytest.param(dict(cp=2), marks=pytest.mark.slow),
+                                  pytest.param(dict(cp=2, cp_impl="ulysses"), marks=pytest.mark.slow)],
                          ids=["tp2", "cp2", "cp2-ulysses"])
 def test_correct_layouts_at_an_unusual_shape_pass(axes):
     """These failed a tolerance of 1e-10 on the weights (rare tokens' embedding rows barely
@@ -98,7 +99,7 @@ def _sweep(n: int, seed: str):
 
 
 def test_a_sample_of_the_random_sweep_passes():
-    _sweep(4, "suite")
+    _sweep(3, "suite")
 
 
 @pytest.mark.slow
@@ -120,3 +121,28 @@ def test_a_layout_whose_initial_weights_are_not_the_references_fails(monkeypatch
                           dtype="float64", progress=False))
     assert not rep.passed and any("initial weights" in p for p in rep.problems)
     assert math.isinf(rep.ratio)
+
+
+def test_float16_and_init_from_are_checked(tmp_path):
+    """float16 (ZeRO's loss-scaled compute copies) is checked like bfloat16 (weights reported
+    only); a layout started from a state_dict is compared with a reference started there too."""
+    rep = check(RunConfig(model=preset("tiny"), layout=Layout(dp=2, zero=1, micro_batch_size=2), steps=2,
+                          dtype="float16", progress=False))
+    assert rep.passed and rep.tolerance["weight"] is None
+    from model import GPT
+    state = {n: p.detach() * 1.5 for n, p in GPT(preset("tiny"), seed=3).named_parameters()}
+    torch.save(state, tmp_path / "gpt.pt")
+    rep = check(RunConfig(model=preset("tiny"), layout=Layout(tp=2, micro_batch_size=2), steps=2, dtype="float64",
+                          progress=False, init_from=str(tmp_path / "gpt.pt")))
+    assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
+
+
+def test_a_gradient_that_is_zero_on_both_sides_is_exact(monkeypatch):
+    """A tensor whose gradient is all zeros on both sides (here the norms' weights, which the
+    patched norm multiplies by zero) is exact, not a 0/0 that fails."""
+    from model.gpt import RMSNorm
+    monkeypatch.setattr(RMSNorm, "forward", lambda self, x: x * (self.weight * 0 + 1))
+    rep = check(RunConfig(model=preset("tiny"), layout=Layout(dp=2, micro_batch_size=2), steps=1, dtype="float64",
+                          progress=False))
+    rows = [r for r in rep.rows if r.what == "grad" and "norm" in r.name]
+    assert rows and all(r.max_abs == 0 and r.ratio == 0 for r in rows) and rep.passed

@@ -34,6 +34,7 @@ def _compare(sim, gloo, dtype):
 @pytest.mark.parametrize("n,kind,dtype", [
     (3, "world", "float32"), (3, "world", "bfloat16"), (4, "subgroup", "float64"), (4, "mesh", "float32"),
 ])
+@pytest.mark.slow
 def test_gloo_matches_sim(n, kind, dtype):
     sim = launch(all_ops, n, args=(kind, dtype))
     gloo = launch(all_ops, n, backend="gloo", args=(kind, dtype))
@@ -47,6 +48,7 @@ def failing(world):
     world.all_reduce(torch.zeros(1))
 
 
+@pytest.mark.slow
 def test_gloo_rank_failure_is_reported():
     with pytest.raises(RankFailedError, match="rank 1 raised ValueError: boom on rank 1") as info:
         launch(failing, 2, backend="gloo", timeout=60)

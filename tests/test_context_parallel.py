@@ -91,7 +91,8 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "dp2-cp2-tp2-pp2" else n
+                                  for n in LAYOUTS])
 def test_context_parallel_layout_matches_one_device(name):
     rep = check(_run(**LAYOUTS[name]))
     assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
@@ -184,6 +185,7 @@ def _attention_compute(balance, cp):
     return [v["sim_steps"][-1] for v in res.values]
 
 
+@pytest.mark.slow
 def test_zigzag_balances_the_causal_work_and_contiguous_does_not():
     """Contiguous: rank r attends to r + 1 of cp key blocks, so its compute grows with r and
     the early ranks wait for the last; zig-zag: every rank computes the same."""
@@ -203,6 +205,7 @@ def test_zigzag_balances_the_causal_work_and_contiguous_does_not():
     # shows the step time the imbalance costs at 1b shapes)
 
 
+@pytest.mark.slow
 def test_activations_per_rank_fall_as_one_over_cp():
     cfg = preset("small", n_layers=2, seq_len=512)
 

@@ -12,7 +12,7 @@ from playground.equivalence import check
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("microbatches", [1, 3])
-@pytest.mark.parametrize("dp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("dp", [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_ddp_matches_the_reference(dp, microbatches, dtype):
     run = RunConfig(model=preset("tiny"), steps=3, dtype=dtype, bucket_cap_mb=0.02,  # several buckets
                     layout=Layout(dp=dp, microbatches=microbatches, micro_batch_size=2))

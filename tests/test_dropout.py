@@ -164,6 +164,7 @@ def test_on_cuda_recomputation_replays_the_device_generators_masks(compiled):
     assert not torch.allclose(la, l0, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_command_line_refuses_dropout_where_it_cannot_run_in_one_line():
     for args, words in ((["check", "--model-config", "attention=unfused,attention_dropout=0.1", "--dp", "2"],
                          "check needs attention_dropout=0, not 0.1"),

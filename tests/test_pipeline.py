@@ -117,6 +117,7 @@ def test_activation_memory_gpipe_holds_m_microbatches_1f1b_at_most_p():
     assert zb[1] == pytest.approx(zb[0], rel=0.02) and max(zb[0]) < 2 * p * one  # (the token ids grow with m)
 
 
+@pytest.mark.slow
 def test_split_backward_does_the_work_of_one_backward():
     """With counted compute (no fixed costs), ZB-H1's I + W cost each rank what 1F1B's B
     does (W takes each layer's weight gradient from the output gradient I kept, it does

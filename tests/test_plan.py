@@ -19,7 +19,8 @@ CFG = preset("small", n_layers=2)
 
 @pytest.mark.parametrize("layout", [Layout(dp=2, micro_batch_size=2),
                                     Layout(tp=2, pp=2, microbatches=2, micro_batch_size=2),
-                                    Layout(cp=2, dp=2, zero=3, micro_batch_size=2)],
+                                    pytest.param(Layout(cp=2, dp=2, zero=3, micro_batch_size=2),
+                                                 marks=pytest.mark.slow)],
                          ids=["dp2", "tp2-pp2", "cp2-dp2-zero3"])
 def test_the_plan_equals_the_simulated_step_of_a_real_run(layout):
     run = RunConfig(model=CFG, layout=layout, steps=2, hardware="h100-sxm", progress=False, count_every_step=True)
@@ -35,6 +36,7 @@ def test_the_plan_equals_the_simulated_step_of_a_real_run(layout):
         assert mb["peak_activations"] == pytest.approx(ma["peak_activations"], rel=1e-3)  # (the token ids)
 
 
+@pytest.mark.slow
 def test_plan_command_flags_what_does_not_fit(tmp_path):
     p = subprocess.run([sys.executable, "-m", "playground", "plan", "--model", "7b", "--micro-batch-size", "1",
                         "--hardware", "h100-sxm", "--json", str(tmp_path / "p.json")], capture_output=True, text=True,
@@ -66,6 +68,7 @@ def test_plan_command_flags_what_does_not_fit(tmp_path):
                                            sequence_parallel=True),
                                     Layout(dp=2, tp=2, cp=2, zero=3, micro_batch_size=1)],
                          ids=["dp4-tp2-pp2-sp", "dp2-tp2-cp2-pp4-zero1-sp", "dp2-tp2-cp2-zero3"])
+@pytest.mark.slow
 def test_plan_by_stand_ins_equals_every_rank(layout, tmp_path):
     # without the kernel floor: identical ranks of an every-rank plan may run a small copy more or
     # less (autograd takes over a gradient or copies it depending on the references other rank
@@ -126,6 +129,7 @@ def test_a_plan_leaves_nothing_behind(axes):
     assert alive() == before
 
 
+@pytest.mark.slow
 def test_a_peak_fits_when_it_leaves_the_allocator_headroom_free():
     """playground/fits.py: 12% of HBM is kept for the caching allocator by default; a peak
     inside HBM but above the rest is 'tight' and does not fit; --memory-headroom moves it."""

@@ -3,8 +3,6 @@ memory pre-filter never rejects what would fit (a lower bound of the planned sta
 the layouts that fit come out fastest first, each equal to planning it alone, and the
 estimates that screen them equal full plans."""
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -38,6 +36,7 @@ def test_the_memory_bound_is_below_the_planned_model_states(axes):
     assert model_states_bound(CFG, layout) <= states <= 1.5 * model_states_bound(CFG, layout)
 
 
+@pytest.mark.slow
 def test_search_ranks_what_fits_and_says_why_the_rest_did_not(tmp_path):
     small_hbm = dict(name="tiny-hbm", peak_bf16_flops=989e12, matmul_fraction=0.8, hbm_bandwidth=3.35e12,
                      hbm_fraction=0.9, hbm_capacity=400_000, nvlink_bandwidth=450e9, network_bandwidth=50e9,
@@ -73,6 +72,7 @@ def test_search_ranks_what_fits_and_says_why_the_rest_did_not(tmp_path):
                                   dict(dp=2, tp=2, sequence_parallel=True, zero=1, microbatches=6, ac="selective"),
                                   dict(dp=8, pp=4, zero=1, microbatches=8, micro_batch_size=4, vocab_size=512),
                                   dict(dp=8, pp=4, virtual_stages=2, schedule="interleaved", zero=1, microbatches=16)])
+@pytest.mark.slow
 def test_an_estimate_from_shallow_plans_equals_the_full_plan(axes):
     """Blocks are identical and microbatches repeat: a layout's step and peak, extrapolated
     from plans of 1 and 2 blocks per chunk (2 and 3 under ZeRO-3), two microbatch counts
@@ -92,7 +92,6 @@ def test_an_estimate_from_shallow_plans_equals_the_full_plan(axes):
     assert e.peak == pytest.approx(max(v["memory"]["peak_total"] for v in p.values), rel=1e-3)
 
 
-def test_search_needs_the_world_and_the_batch():
-    r = subprocess.run([sys.executable, "-m", "playground", "plan", "--search", "--hardware", "h100-sxm"],
-                       capture_output=True, text=True)
-    assert r.returncode == 2 and "--world N and --global-batch B" in r.stderr
+def test_search_needs_the_world_and_the_batch(cli):
+    status, _, err = cli("plan", "--search", "--hardware", "h100-sxm")
+    assert status == 2 and "--world N and --global-batch B" in err

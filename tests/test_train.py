@@ -1,4 +1,5 @@
 """The training loop: the loss falls toward the floor; sim and gloo give the same losses."""
+import pytest
 import torch
 
 from model import preset
@@ -16,6 +17,7 @@ def test_loss_falls_toward_the_floor():
     assert last > floor - 0.05  # and, as it must, never beats the entropy rate by more than noise
 
 
+@pytest.mark.slow
 def test_sim_and_gloo_give_the_same_losses():
     run = RunConfig(model=preset("tiny"), layout=Layout(dp=2, microbatches=2, micro_batch_size=2), steps=3,
                     dtype="float64", progress=False)
