@@ -193,11 +193,6 @@ def replays(res, run: RunConfig) -> tuple:
     return out, problems
 
 
-def _gathered(res, pick) -> tuple:
-    """({name: full tensor}, problems) of the pieces `pick(rank's value)` gives on every rank."""
-    return assemble([pick(v) for v in res.values])
-
-
 def layout_states(res, run: RunConfig) -> tuple:
     """([the layout's state before each step: {kind: {name: full}, "skipped": bool}], [its
     gradients of each step], problems), gathered from every rank's pieces."""
@@ -206,16 +201,17 @@ def layout_states(res, run: RunConfig) -> tuple:
     def state(pieces_of, label, skipped=False):
         out = {"skipped": skipped}
         for kind in KINDS:
-            full, probs = _gathered(res, lambda v: [(pl, t) for k, pl, t in pieces_of(v) if k == kind])
+            full, probs = assemble(pieces_of(kind))
             problems.extend(f"{label}: {kind}: {p}" for p in probs)
             out[kind] = full
         return out
-    states.append(state(lambda v: v["initial"], "before step 0"))
+    states.append(state(lambda kind: [[(pl, t) for k, pl, t in v["initial"] if k == kind] for v in res.values],
+                        "before step 0"))
     for step in range(run.steps):
-        full, probs = _gathered(res, lambda v: v["steps"][step]["grads"])
+        full, probs = assemble(res.pieces("grads", step))
         problems.extend(f"gradients of step {step}: {p}" for p in probs)
         grads.append(full)
-        states.append(state(lambda v: v["steps"][step]["state"], f"after step {step}",
+        states.append(state(lambda kind: res.pieces(kind, step), f"after step {step}",
                             any(v["steps"][step]["skipped"] for v in res.values)))
     return states, grads, problems
 

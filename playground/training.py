@@ -113,18 +113,16 @@ def _skipped(model) -> int:
     return sum(s.skipped for s in getattr(model.optimizer, "scalers", []))
 
 
-def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=None, grads_at=None) -> dict:
-    """One rank's program. With `collect`, also returns the pieces of the gradients after
-    the first backward and of the weights after the last step, and for the equivalence
-    check the state before the first step ("initial") and each step's gradients and state
-    after it ("steps").
+def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=None) -> dict:
+    """One rank's program. With `collect`, also returns the pieces (Placement, CPU float64
+    copy) of the state before the first step ("initial": weights and AdamW's moments) and
+    of each step's gradients and the state after it ("steps"; `TrainResult.pieces`).
     `source`: the data source, built once by the driver and shared (read only) by the
     simulated ranks; built here when None (gloo and torch processes). `init`: the reference
     GPT's state_dict to start from (--init-from). With `run.resume` the steps continue from
     the checkpoint's (any layout) up to `run.steps`, the run's total (as Megatron-LM's
     --train-iters): relaunching the same command after a crash finishes the same run. With
-    `run.save` checkpoints are written, at every `save_every`-th step and at the last. `grads_at`: the
-    step whose gradients `collect` returns (default: the first this run takes)."""
+    `run.save` checkpoints are written, at every `save_every`-th step and at the last."""
     layout, cfg = run.layout, run.model
     mesh = Mesh(world, **layout.mesh_axes())
     dp = mesh.group("dp")
@@ -178,10 +176,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
                 else contextlib.nullcontext  # a replayed step's activations are the recorded one's
             total = model.run_step(micro, track)
             if collect:
-                grads = model.pieces("grad")
-                if step == (start if grads_at is None else grads_at):
-                    out["grads"] = grads
-                skipped = _skipped(model)
+                grads, skipped = model.pieces("grad"), _skipped(model)
             model.step()
             if collect:
                 out_states["steps"].append({"grads": grads, "state": _state(model),
@@ -218,7 +213,6 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
     if device.startswith("cuda"):  # to hold the accounting against what the allocator saw
         out["cuda_peak_allocated"] = torch.cuda.max_memory_allocated()
     if collect:
-        out["weights"] = model.pieces("param")
         out.update(out_states)
         # the token groups this rank routes: its dp rank's microbatches of its cp rank's (and under
         # sequence parallelism its tp rank's) tokens (equivalence.token_groups)
@@ -262,6 +256,16 @@ class TrainResult:
             out.append(dict(sorted(layers.items())))
         return out
 
+    def pieces(self, what: str, step: int | None = None) -> list:
+        """With `collect`: every rank's [(Placement, tensor)] of `what` at `step` (a step of
+        the whole run, one this run took; default its last): "grads", the step's reduced
+        gradients; "param", "exp_avg" or "exp_avg_sq", the state after it. `model.assemble`
+        makes the full tensors of them."""
+        i = (len(self.losses) if step is None else step + 1 - self.start) - 1
+        if what == "grads":
+            return [v["steps"][i]["grads"] for v in self.values]
+        return [[(pl, t) for kind, pl, t in v["steps"][i]["state"] if kind == what] for v in self.values]
+
     @property
     def start(self) -> int:
         """The step this run began at (after a checkpoint's, with --resume)."""
@@ -274,7 +278,7 @@ class TrainResult:
         return self.run.tokens_per_step / ts[len(ts) // 2]
 
 
-def train(run: RunConfig, collect: bool = False, grads_at: int | None = None) -> TrainResult:
+def train(run: RunConfig, collect: bool = False) -> TrainResult:
     """Train `run` (from its checkpoint to `run.steps` with --resume) on its backend."""
     run.layout.validate(run.model)
     if run.resume:
@@ -291,12 +295,12 @@ def train(run: RunConfig, collect: bool = False, grads_at: int | None = None) ->
         else None  # (processes load it themselves)
     t0 = time.perf_counter()
     if run.backend == "torch":  # this process is one rank: it uses the source it just built
-        res = launch(train_rank, run.layout.world, backend="torch", args=(run, collect, source, None, grads_at))
+        res = launch(train_rank, run.layout.world, backend="torch", args=(run, collect, source, None))
     else:
         shared = SharedBatches(source) if run.backend == "sim" else None  # processes build their own
         extra = {"max_running": run.max_running or 2 * (os.cpu_count() or 1),
                  "time_model": SimulatedTime(run.hardware) if run.hardware else None} if run.backend == "sim" else {}
-        res = launch(train_rank, run.layout.world, backend=run.backend, args=(run, collect, shared, init, grads_at),
+        res = launch(train_rank, run.layout.world, backend=run.backend, args=(run, collect, shared, init),
                      **extra)
     wall = time.perf_counter() - t0
     return TrainResult(run, res.values[0]["losses"], res.values[0]["step_times"], wall, res.ledger,

@@ -22,8 +22,8 @@ def _run(layout, steps, dtype="float64", model=CFG, **kw):
     return RunConfig(model=model, layout=layout, steps=steps, dtype=dtype, progress=False, **kw)
 
 
-def _full(res, key):
-    full, problems = assemble([v[key] for v in res.values])
+def _full(res, what, step=None):
+    full, problems = assemble(res.pieces(what, step))
     assert not problems, problems
     return full
 
@@ -31,7 +31,7 @@ def _full(res, key):
 def _resumed(a, b, tmp_path, k=2, m=2, dtype="float64", model=CFG):
     """(uninterrupted k + m steps in layout a, k steps in a saved then resumed in b to step
     k + m: --steps is the run's total)."""
-    whole = train(_run(a, k + m, dtype, model), collect=True, grads_at=k)
+    whole = train(_run(a, k + m, dtype, model), collect=True)
     train(_run(a, k, dtype, model, save=str(tmp_path)))
     resumed = train(_run(b, k + m, dtype, model, resume=str(tmp_path)), collect=True)
     return whole, resumed
@@ -57,11 +57,12 @@ def test_resuming_on_the_same_layout_is_bit_identical(name, dtype, tmp_path):
     layout, model = SAME_LAYOUT[name]
     whole, resumed = _resumed(layout, layout, tmp_path, dtype=dtype, model=model)
     assert resumed.start == 2 and resumed.losses == whole.losses[2:]  # every loss, to the bit
-    for key in ("grads", "weights"):
-        a, b = _full(whole, key), _full(resumed, key)
-        assert a.keys() == b.keys()
-        for n in a:
-            assert torch.equal(a[n], b[n]), (key, n)
+    for step in (2, 3):  # every gradient, weight and moment of every resumed step, to the bit
+        for what in ("grads", "param", "exp_avg", "exp_avg_sq"):
+            a, b = _full(whole, what, step), _full(resumed, what, step)
+            assert a.keys() == b.keys()
+            for n in a:
+                assert torch.equal(a[n], b[n]), (step, what, n)
 
 
 RESHARD = [
@@ -86,11 +87,11 @@ def test_resuming_in_another_layout_matches_the_uninterrupted_run(name, a, b, tm
     whole, resumed = _resumed(a, b, tmp_path)
     for x, y in zip(whole.losses[2:], resumed.losses):
         assert abs(x - y) <= 1e-10 * abs(x)
-    for key in ("grads", "weights"):
-        ref, got = _full(whole, key), _full(resumed, key)
+    for what, step in (("grads", 2), ("param", 3)):
+        ref, got = _full(whole, what, step), _full(resumed, what, step)
         for n in ref:
             scale = ref[n].abs().max().item() or 1.0
-            assert (ref[n] - got[n]).abs().max().item() <= 1e-10 * scale, (key, n)
+            assert (ref[n] - got[n]).abs().max().item() <= 1e-10 * scale, (what, n)
 
 
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
@@ -185,7 +186,7 @@ def test_export_gives_the_reference_state_dict_and_init_from_starts_there(tmp_pa
     assert not torch.equal(state["tok_emb.weight"], GPT(preset("tiny")).tok_emb.weight)  # trained, not initial
     run = RunConfig(model=preset("tiny"), layout=Layout(dp=2, tp=2, zero=3), steps=1, lr=0.0, progress=False,
                     init_from=str(out))
-    got = _full(train(run, collect=True), "weights")
+    got = _full(train(run, collect=True), "param")
     for n, t in state.items():
         assert torch.equal(got[n], t.double()), n
 
@@ -256,7 +257,7 @@ def test_the_fp16_loss_scalers_state_is_resumed(tmp_path, monkeypatch):
     resumed = train(_run(layout, 4, "float16", save=str(tmp_path / "part"), resume=str(tmp_path / "part")),
                     collect=True)
     assert resumed.losses == whole.losses[2:]
-    a, b = _full(whole, "weights"), _full(resumed, "weights")
+    a, b = _full(whole, "param"), _full(resumed, "param")
     assert all(torch.equal(a[n], b[n]) for n in a)
     scalers = [json.loads((tmp_path / d / "index.json").read_text())["scalers"] for d in ("whole", "part")]
     assert scalers[0] == scalers[1] and scalers[0][0]["good_steps"] == 4 and scalers[0][0]["scale"] == 2.0 ** 12

@@ -84,7 +84,7 @@ def _pipeline(ac_mode):
     run = RunConfig(model=cfg, layout=Layout(pp=2, microbatches=4, micro_batch_size=1, ac=ac_mode), steps=2,
                     dtype="float64", progress=False)
     res = train(run, collect=True)
-    return res.losses, {k: assemble([v[k] for v in res.values])[0] for k in ("grads", "weights")}
+    return res.losses, {k: assemble(res.pieces(k, step))[0] for k, step in (("grads", 0), ("param", None))}
 
 
 def test_a_pipeline_recomputes_each_microbatch_with_its_own_masks():
@@ -94,7 +94,7 @@ def test_a_pipeline_recomputes_each_microbatch_with_its_own_masks():
     weight is bitwise the run's without. Without the replay they differ (so the test can fail)."""
     plain, full = _pipeline("none"), _pipeline("full")
     assert plain[0] == full[0]
-    for key in ("grads", "weights"):
+    for key in ("grads", "param"):
         assert all(torch.equal(plain[1][key][n], full[1][key][n]) for n in plain[1][key]), key
 
 
