@@ -267,9 +267,10 @@ class MoE(nn.Module):
         their_probs, decision = theirs
         gap = (their_probs.double() - probs.detach().cpu().double()).abs().max().item() \
             if their_probs.shape == probs.shape else float("inf")
-        if gap <= self.replay.tolerance and choose(their_probs, c).same(decision) and not self.recomputing:
-            self.stats.ties += 1
-            self.stats.tied += own.differing(decision)
+        if gap <= self.replay.tolerance and choose(their_probs, c).same(decision):
+            if not self.recomputing:  # (counted once, replayed every time)
+                self.stats.ties += 1
+                self.stats.tied += own.differing(decision)
             return probs, routing(probs, Decision(decision.experts.to(probs.device), decision.kept.to(probs.device)), c)
         if not self.recomputing:
             why = f"probabilities {gap:.1e} apart" if gap > self.replay.tolerance else \

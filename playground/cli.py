@@ -304,17 +304,17 @@ def run_config(args, default_steps: int, meta: bool = False):
                     count_every_step=args.count_every_step, save=args.save, save_every=args.save_every,
                     resume=args.resume, init_from=args.init_from, compile=args.compile,
                     bf16_copies=bool(getattr(args, "bf16_copies", False)))
-    _check_checkpoints(args, cfg, run)
+    _check_checkpoints(args, run)
     if run.backend == "sim" and not meta:  # (a plan's ranks hold meta tensors: no memory)
         check_simulated_memory(run)
     return run
 
 
-def _check_checkpoints(args, cfg, run) -> None:
+def _check_checkpoints(args, run) -> None:
     """--resume, --save and --init-from, checked before any rank starts."""
     from .checkpoint import CheckpointError, has_checkpoint, read_index, resume_point
     if args.resume:
-        resume_point(read_index(args.resume, cfg), args.resume, run)
+        resume_point(read_index(args.resume, run.model), args.resume, run)
     if args.save:
         if os.path.exists(args.save) and not os.path.isdir(args.save):
             raise CheckpointError(f"--save {args.save}: exists and is not a folder")
@@ -324,7 +324,7 @@ def _check_checkpoints(args, cfg, run) -> None:
             raise CheckpointError(f"--save {args.save}: holds a checkpoint (step {step}); add --overwrite to replace "
                                   f"it, or choose another folder")
     if args.init_from:
-        _check_state_dict(args.init_from, cfg)
+        _check_state_dict(args.init_from, run.model)
 
 
 def _check_state_dict(path: str, cfg) -> None:
