@@ -201,6 +201,7 @@ def _exposed(bucket_mb, batch, hardware="a100-80gb"):
     return launch(_ddp_exposed, 4, args=(bucket_mb, batch), time_model=SimulatedTime(hardware)).values[0]
 
 
+@pytest.mark.slow
 def test_ddp_buckets_hide_communication_behind_backward():
     """With a backward long enough, buckets reduced during it leave only the last one
     exposed; with a short backward, many small buckets pay 2(p-1)·α each and lose."""

@@ -192,6 +192,7 @@ def test_mesh_groups_work_concurrently():
     assert launch(fn, 6).values == [15.0] * 6
 
 
+@pytest.mark.slow
 def test_large_worlds():
     """1024 ranks reduce correctly, and 256 ranks on a 4-axis mesh reduce within each group."""
     def fn(world):

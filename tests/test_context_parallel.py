@@ -91,7 +91,8 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "dp2-cp2-tp2-pp2" else n
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("dp2-cp2-tp2-pp2", "pp2-cp2-interleaved")
+                                  else n
                                   for n in LAYOUTS])
 def test_context_parallel_layout_matches_one_device(name):
     rep = check(_run(**LAYOUTS[name]))

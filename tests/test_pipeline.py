@@ -98,6 +98,7 @@ def test_bubble_on_the_simulated_clock_matches_theory(schedule, v, m):
         assert step_zb - 3 * m == pytest.approx((step_1f1b - 3 * m) / 3)
 
 
+@pytest.mark.slow
 def test_activation_memory_gpipe_holds_m_microbatches_1f1b_at_most_p():
     """Stage 0's peak: one microbatch's backward transients over the activations of the
     microbatches it holds (GPipe m, 1F1B p − r on rank r), each one microbatch's worth."""

@@ -37,7 +37,7 @@ def test_the_test_model_has_uneven_shards():
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("dp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("dp", [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_every_stage_matches_one_device(stage, dp, dtype):
     """Loss of every step, every gradient after the first backward and every weight after
