@@ -95,7 +95,7 @@ class PipelineExecutor:
             return
         with timing.compute_model.paused():
             yield
-        timing.clock.advance(self.unit_costs[kind] / self.v)
+        timing.clock.advance(self.unit_costs[kind] / self.v, kind)
 
     def run(self, inputs: list, targets: list) -> torch.Tensor:
         """Run the step on microbatches `inputs` (token ids; targets for the last stage);

@@ -29,19 +29,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from collectives import Mesh, ReduceOp, launch
-from collectives.mesh import coords_of, ranks_along
 from collectives.ledger import human_bytes
 from model import GPT
 from pipeline import fewest_microbatches
 from simulator import MemoryTracker, SimulatedTime, load_hardware
-from simulator.cost_model import placement
 
 from .fits import DEFAULT_HEADROOM, fits, verdict
 from .parallelize import data_parallel_group, expert_mesh_axes, parallelize
-from .report import _rank_ranges, bytes_per_step, table
+from .report import MEMORY_AT_PEAK, _rank_ranges, bytes_per_step, memory_at_peak, table
 
 
 def plan_rank(world, run) -> dict:
@@ -106,31 +105,51 @@ def stand_ins(layout) -> dict:
     return {r: (r // inner) * inner for r in range(layout.world)}
 
 
-def placement_signature(layout, rank: int, gpus_per_node: int) -> tuple:
-    """What the time model sees of `rank`'s position (simulator/cost_model.py, "placement"):
-    for each group the layout makes (mesh.group of these axes, the expert mesh's groups) the
-    nodes it spans and its ranks per node, and whether its pipeline neighbours share its node.
-    Ranks of a stage with equal signatures time every call alike."""
+def _group_placements(shape: dict, axes, gpus_per_node: int) -> np.ndarray:
+    """For every rank of a mesh of `shape`, the placement of its group along `axes`
+    (simulator/cost_model.py, "placement": nodes spanned, ranks per node, every node holding
+    as many) as three columns; computed once per group, so a world of 10^5 ranks takes
+    milliseconds."""
+    names = list(shape)
+    world = int(np.prod([shape[n] for n in names]))
+    size = int(np.prod([shape[n] for n in names if n in axes]))
+    order = [i for i, n in enumerate(names) if n not in axes] + [i for i, n in enumerate(names) if n in axes]
+    groups = np.arange(world).reshape([shape[n] for n in names]).transpose(order).reshape(-1, size)
+    nodes = np.sort(groups // gpus_per_node, axis=1)
+    first = np.ones_like(nodes, dtype=bool)
+    first[:, 1:] = nodes[:, 1:] != nodes[:, :-1]
+    runs = np.flatnonzero(first.ravel())  # where each node's run of ranks starts (every row starts one)
+    lengths = np.diff(np.append(runs, nodes.size))
+    starts = np.searchsorted(runs, np.arange(len(groups)) * size)
+    most, least = np.maximum.reduceat(lengths, starts), np.minimum.reduceat(lengths, starts)
+    spanned = np.diff(np.append(starts, len(runs)))
+    out = np.empty((world, 3), dtype=np.int64)
+    out[groups] = np.stack([spanned, most, most == least], axis=1)[:, None, :]
+    return out
+
+
+def placement_signatures(layout, gpus_per_node: int) -> np.ndarray:
+    """What the time model sees of each rank's position, one row per rank: for each group the
+    layout makes (mesh.group of these axes, the expert mesh's groups) the nodes it spans and
+    its ranks per node, and whether its pipeline neighbours share its node. Ranks of a stage
+    with equal rows time every call alike."""
     shape, eshape = layout.mesh_axes(), expert_mesh_axes(layout)
-    coords, ecoords = (dict(zip(sh, coords_of(sh, rank))) for sh in (shape, eshape))
-    sig = [placement(ranks_along(shape, coords, axes), gpus_per_node)
-           for axes in (("dp",), ("tp",), ("cp",), ("pp",), ("dp", "cp"), ("dp", "cp", "tp"))]
-    sig += [placement(ranks_along(eshape, ecoords, axes), gpus_per_node) for axes in (("ep",), ("edp", "tp"))]
+    cols = [_group_placements(shape, axes, gpus_per_node)
+            for axes in (("dp",), ("tp",), ("cp",), ("pp",), ("dp", "cp"), ("dp", "cp", "tp"))]
+    cols += [_group_placements(eshape, axes, gpus_per_node) for axes in (("ep",), ("edp", "tp"))]
+    rank = np.arange(layout.world)
     stride = layout.dp * layout.cp * layout.tp
-    sig += [(rank + d * stride) % layout.world // gpus_per_node == rank // gpus_per_node for d in (-1, 1)]
-    return tuple(sig)
+    cols += [((rank + d * stride) % layout.world // gpus_per_node == rank // gpus_per_node)[:, None]
+             for d in (-1, 1)]
+    return np.concatenate(cols, axis=1)
 
 
 def uniform_stages(layout, gpus_per_node: int) -> bool:
     """Whether every rank's placement signature equals its stand-in's: then the stand-ins
     time exactly what every rank would."""
-    of = stand_ins(layout)
-    sigs: dict = {}
-    for r in range(layout.world):
-        s = placement_signature(layout, r, gpus_per_node)
-        if sigs.setdefault(of[r], s) != s:
-            return False
-    return True
+    sig = placement_signatures(layout, gpus_per_node)
+    inner = layout.dp * layout.cp * layout.tp
+    return bool((sig == sig[np.arange(layout.world) // inner * inner]).all())
 
 
 def plan(run, every_rank: bool = False) -> Plan:
@@ -188,15 +207,14 @@ def summary(p: Plan, headroom: float = DEFAULT_HEADROOM) -> str:
     rows = []
     for v in p.values:
         m = v["memory"]
-        rows.append([human_bytes(m["parameters"]), human_bytes(m["gradients"]), human_bytes(m["optimizer"]),
-                     human_bytes(m["peak_activations"]), human_bytes(m["peak_comm_buffers"]),
+        rows.append([*(human_bytes(x) for x in memory_at_peak(m).values()),
                      human_bytes(m["peak_total"]), f"{100 * m['peak_total'] / cap:.1f}%",
                      verdict(m["peak_total"], hw, headroom)])
-    lines.append(f"\nmemory per class of ranks (peaks; {human_bytes(cap)} of HBM on {run.hardware}, of which "
-                 f"{100 * (1 - headroom):.0f}% fits: the rest is the caching allocator's and the CUDA context's, "
-                 f"--memory-headroom):")
-    lines.append(table(["ranks", "parameters", "gradients", "optimizer", "activations", "comm buffers", "peak total",
-                        "of HBM", ""], [[_rank_ranges(r), *row] for r, row in _classes(rows)], left=1))
+    lines.append(f"\nmemory per class of ranks at the peak (by category: the parts sum to it; {human_bytes(cap)} of "
+                 f"HBM on {run.hardware}, of which {100 * (1 - headroom):.0f}% fits: the rest is the caching "
+                 f"allocator's and the CUDA context's, --memory-headroom):")
+    lines.append(table(["ranks", *MEMORY_AT_PEAK.values(), "peak total", "of HBM", ""],
+                       [[_rank_ranges(r), *row] for r, row in _classes(rows)], left=1))
     lines.append("\ncommunication per rank per step (planned):")
     lines.append(bytes_per_step(p.ledger, 2))
     return "\n".join(lines)

@@ -6,7 +6,7 @@ from collectives.ledger import human_bytes
 from pipeline import build_schedule
 from pipeline import table as schedule_text
 
-from .summary import communication, label_family
+from .summary import communication_classes, label_family
 
 
 def table(header, rows, left: int = 2) -> str:
@@ -37,20 +37,21 @@ def bytes_per_step(ledger, steps: int) -> str:
     """Per rank and label, calls and bytes per step and the algorithm that moved them;
     numbered labels of one family are merged (`ddp.bucket* (62)`), so are ranks with
     identical rows, and labels that moved no bytes are left out."""
-    per_rank: dict = {}
-    for row in communication(ledger, steps):
-        fresh = {"calls": 0, "sent": 0, "recv": 0, "alg": set(), "labels": set(), "setup": row["setup"]}
-        t = per_rank.setdefault(row["rank"], {}).setdefault(label_family(row["label"]), fresh)
-        t["calls"] += row["calls_per_step"]
-        t["sent"] += row["bytes_sent_per_step"]
-        t["recv"] += row["bytes_received_per_step"]
-        t["alg"].update(row["algorithms"])
-        t["labels"].add(row["label"])
     by_signature: dict = {}
-    for r, labels in per_rank.items():
+    for ranks, rows in communication_classes(ledger, steps):
+        families: dict = {}
+        for row in rows:
+            fresh = {"calls": 0, "sent": 0, "recv": 0, "alg": set(), "labels": set(), "setup": row["setup"]}
+            t = families.setdefault(label_family(row["label"]), fresh)
+            t["calls"] += row["calls_per_step"]
+            t["sent"] += row["bytes_sent_per_step"]
+            t["recv"] += row["bytes_received_per_step"]
+            t["alg"].update(row["algorithms"])
+            t["labels"].add(row["label"])
         sig = tuple(sorted((k if len(t["labels"]) > 1 else min(t["labels"]), len(t["labels"]), t["calls"], t["sent"],
-                            t["recv"], ",".join(sorted(t["alg"])), t["setup"]) for k, t in labels.items()))
-        by_signature.setdefault(sig, []).append(r)
+                            t["recv"], ",".join(sorted(t["alg"])), t["setup"]) for k, t in families.items()))
+        by_signature.setdefault(sig, []).extend(ranks)
+    by_signature = {sig: sorted(ranks) for sig, ranks in by_signature.items()}
     rows = []
     for sig, ranks in sorted(by_signature.items(), key=lambda kv: kv[1][0]):
         for label, n, calls, sent, recv, alg, setup in sig:
@@ -134,9 +135,10 @@ def schedule_table(layout) -> str:
 
 
 def simulated_time(res) -> str:
-    """Median simulated step per rank on the hardware profile, split into compute, exposed
-    communication and idle (waiting for peers): every rank up to 8, else rank 0, the
-    slowest and the one that computes most."""
+    """Median simulated step per class of ranks with identical figures (as the bytes table
+    merges them), split into compute, the device waiting for the host, exposed
+    communication and idle (waiting for peers): every class up to 8, else those of rank 0,
+    the slowest rank and the one that computes most."""
     def median_step(steps):
         ordered = sorted(steps, key=lambda b: b["time"])
         return ordered[len(ordered) // 2]
@@ -144,16 +146,20 @@ def simulated_time(res) -> str:
     n = len(per_rank)
     slowest = max(range(n), key=lambda r: per_rank[r]["time"])
     busiest = max(range(n), key=lambda r: per_rank[r]["compute"])
-    shown = range(n) if n <= 8 else sorted({0, slowest, busiest})
     pipeline = res.run.layout.pp > 1
+    keys = ("time", "compute", "host", "exposed_comm", "idle") + (("bubble",) if pipeline else ())
+    classes: dict = {}
+    for r, b in enumerate(per_rank):
+        classes.setdefault(tuple(f"{b[k] * 1e3:.3f} ms" for k in keys), []).append(r)
+    shown = list(classes.items())
+    if len(shown) > 8:
+        shown = [c for c in shown if {0, slowest, busiest} & set(c[1])]
     rows = []
-    for r in shown:
-        b = per_rank[r]
-        tags = [t for t, k in (("slowest", slowest), ("most compute", busiest)) if k == r and n > 1]
-        rows.append([f"rank {r}" + (f" ({', '.join(tags)})" if tags else ""), f"{b['time'] * 1e3:.3f} ms",
-                     f"{b['compute'] * 1e3:.3f} ms", f"{b['host'] * 1e3:.3f} ms", f"{b['exposed_comm'] * 1e3:.3f} ms",
-                     f"{b['idle'] * 1e3:.3f} ms"]
-                    + ([f"{b['bubble'] * 1e3:.3f} ms"] if pipeline else []))
+    for cells, ranks in sorted(shown, key=lambda c: c[1][0]):
+        tags = [t for t, k in (("slowest", slowest), ("most compute", busiest)) if k in ranks and n > 1
+                and len(classes) > 1]
+        name = ("rank " if len(ranks) == 1 else "ranks ") + _rank_ranges(ranks)
+        rows.append([name + (f" ({', '.join(tags)})" if tags else ""), *cells])
     tokens = res.run.tokens_per_step / per_rank[slowest]["time"]
     return (f"\nsimulated on {res.run.hardware} (median step; roofline per op behind a host issuing one op per "
             f"kernel floor, alpha-beta per collective; host: the device waiting for the host): "
@@ -161,9 +167,21 @@ def simulated_time(res) -> str:
                                                 + (["of it pipeline bubble"] if pipeline else []), rows, left=1))
 
 
+# the peak total by category at the moment of the peak (MemoryTracker.snapshot's at_peak):
+# the table and the plots show this one split, whose parts sum to the peak
+MEMORY_AT_PEAK = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer",
+                  "activations": "activations", "temporaries": "backward temporaries", "comm_buffers": "comm buffers"}
+
+
+def memory_at_peak(m: dict) -> dict:
+    """{category label: bytes} of a memory snapshot at its peak; the values sum to peak_total."""
+    return {label: m["at_peak"][key] for key, label in MEMORY_AT_PEAK.items()}
+
+
 def memory_table(res) -> str:
-    """Peak memory by category for rank 0 and the rank with the largest peak. Model states
-    are measured from the tensors; activations only with simulated time (--hardware)."""
+    """Each rank's peak by category at the moment of the peak, for rank 0 and the rank with
+    the largest peak. Model states are measured from the tensors; activations and backward's
+    temporaries only with simulated time (--hardware)."""
     per_rank = [v["memory"] for v in res.values]
     top = max(range(len(per_rank)), key=lambda r: per_rank[r]["peak_total"])
     hw = res.run.hardware
@@ -174,15 +192,16 @@ def memory_table(res) -> str:
     rows = []
     for r in sorted({0, top}):
         m = per_rank[r]
-        row = [f"rank {r}" + (" (largest peak)" if r == top and len(per_rank) > 1 else ""), human_bytes(m["parameters"]), human_bytes(m["gradients"]), human_bytes(m["optimizer"]),
-               human_bytes(m["peak_activations"]) if hw else "-", human_bytes(m["peak_comm_buffers"]),
+        parts = [human_bytes(x) if hw or k not in ("activations", "backward temporaries") else "-"
+                 for k, x in memory_at_peak(m).items()]
+        row = [f"rank {r}" + (" (largest peak)" if r == top and len(per_rank) > 1 else ""), *parts,
                human_bytes(m["peak_total"])]
         rows.append(row + ([f"{100 * m['peak_total'] / capacity:.2f}%"] if hw else []))
-    header = ["", "parameters", "gradients", "optimizer", "activations", "comm buffers", "peak total"]
+    header = ["", *MEMORY_AT_PEAK.values(), "peak total"]
     note = "activations as saved for backward" if hw else "activations with --hardware"
     cuda = [f"rank {r}: {human_bytes(v['cuda_peak_allocated'])}" for r, v in enumerate(res.values)
             if v and "cuda_peak_allocated" in v]
-    return (f"\nmemory per rank (after the last step; peaks for activations and communication buffers; model states "
+    return (f"\nmemory per rank at its peak (what the peak held, by category: the parts sum to it; model states "
             f"measured from the tensors; {note}):\n"
             + table(header + ([f"of {human_bytes(capacity)}"] if hw else []), rows, left=1)
             + (f"\nmeasured peak allocated by torch.cuda (everything, activations included): {', '.join(cuda)}"

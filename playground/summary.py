@@ -23,28 +23,47 @@ def _setup(label: str) -> bool:
     return label.startswith("ddp") and label.endswith(".broadcast")
 
 
-def communication(ledger, steps: int) -> list:
-    """Per rank and label: op(s), algorithm(s), calls, bytes sent and received per step
-    (setup calls, made once, are not divided by the steps); labels that moved no bytes
-    on a rank are left out."""
+def _per_label(entries, steps: int) -> list:
+    """One rank's calls by label: op(s), algorithm(s), calls, bytes sent and received per
+    step (setup calls, made once, are not divided by the steps); labels that moved no bytes
+    are left out."""
     acc = defaultdict(lambda: {"calls": 0, "sent": 0, "received": 0, "ops": set(), "algorithms": set()})
-    for r, entries in enumerate(ledger.per_rank):
-        for e in entries:
-            a = acc[(r, e.label)]
-            a["calls"] += 1
-            a["sent"] += e.bytes_sent
-            a["received"] += e.bytes_recv
-            a["ops"].add(e.op)
-            a["algorithms"].add(e.algorithm)
+    for e in entries:
+        a = acc[e.label]
+        a["calls"] += 1
+        a["sent"] += e.bytes_sent
+        a["received"] += e.bytes_recv
+        a["ops"].add(e.op)
+        a["algorithms"].add(e.algorithm)
     out = []
-    for (r, label), a in sorted(acc.items()):
+    for label, a in sorted(acc.items()):
         if a["sent"] == 0 and a["received"] == 0:
             continue
         per = 1 if _setup(label) else steps
-        out.append({"rank": r, "label": label, "ops": sorted(a["ops"]), "algorithms": sorted(a["algorithms"]),
+        out.append({"label": label, "ops": sorted(a["ops"]), "algorithms": sorted(a["algorithms"]),
                     "setup": per == 1, "calls_per_step": a["calls"] / per,
                     "bytes_sent_per_step": a["sent"] / per, "bytes_received_per_step": a["received"] / per})
     return out
+
+
+def communication_classes(ledger, steps: int) -> list:
+    """[(ranks, rows)]: `_per_label`'s rows, once for each class of ranks whose calls are
+    alike (a plan's ranks share their stand-in's record, so 10^5 ranks cost one)."""
+    by_record: dict = {}
+    for r, entries in enumerate(ledger.per_rank):
+        by_record.setdefault(id(entries), (entries, []))[1].append(r)
+    by_rows: dict = {}
+    for entries, ranks in by_record.values():
+        rows = _per_label(entries, steps)
+        key = json.dumps(rows, sort_keys=True)
+        by_rows.setdefault(key, (rows, []))[1].extend(ranks)
+    return sorted(((sorted(ranks), rows) for rows, ranks in by_rows.values()), key=lambda c: c[0][0])
+
+
+def communication(ledger, steps: int) -> list:
+    """Per rank and label: `_per_label`'s rows with the rank."""
+    out = [{"rank": r, **row} for ranks, rows in communication_classes(ledger, steps) for r in ranks for row in rows]
+    return sorted(out, key=lambda row: (row["rank"], row["label"]))
 
 
 def _run_json(run) -> dict:

@@ -20,6 +20,11 @@ process group, a communication stream (as ProcessGroupNCCL keeps one stream per 
   pipeline's sends and receives and on the broadcast of its loss (time_model.py says
   which calls) is also kept apart as the *bubble*. An async call whose
   end is already behind compute when it is waited adds nothing: it was hidden.
+- The timeline (`events`): the compute stream's time as it was spent, in order, each span
+  what it is: a kernel (named by its op: `mm`, `flash_attention`, `_fused_adamw`), the
+  device waiting for the host to issue (`host`), waiting for the last member of a call
+  (`idle`, or `bubble` on a pipeline's calls), or for a call to finish (`exposed`). The
+  plots and the Perfetto trace draw these (simulator/trace.py).
 
 Record and replay. Counting every op through Python costs more than the op itself on
 small models (and serialises the rank threads on the GIL), while the steps of a training
@@ -44,8 +49,7 @@ class ReplayMismatchError(RuntimeError):
 
 
 class RankClock:
-    __slots__ = ("now", "streams", "compute", "host", "issuing", "exposed", "idle", "bubble", "segments", "_segment_start",
-                 "_script", "_mode", "_pos", "_ops", "issued", "in_flight")
+    __slots__ = ("now", "streams", "compute", "host", "issuing", "exposed", "idle", "bubble", "_script", "_mode", "_pos", "_ops", "issued", "in_flight", "events")
 
     def __init__(self):
         self.now = 0.0  # the compute stream's time
@@ -56,14 +60,16 @@ class RankClock:
         self.exposed = 0.0  # seconds compute stalled on communication
         self.idle = 0.0  # seconds compute stalled waiting for peers to arrive
         self.bubble = 0.0  # the part of idle spent waiting on pipeline neighbours (pp.* calls)
-        self.segments: list = []  # (start, end) of the compute between calls, for traces
-        self._segment_start = 0.0
         self._script: list = []  # the recorded step: (event, the launches before it), then the tail
         self._mode = None  # None (count ops), "record" or "replay"
         self._pos = 0
         self._ops: list = []  # recording: the launches and host reads since the previous event
         self.issued = None  # when the host issued its last op (None: in step with the device)
         self.in_flight = collections.deque()  # when the device passes each waited call
+        # the compute stream's spans, [kind, name, start, end]: kind "compute" (name: the op),
+        # "host", "idle", "bubble" or "exposed"; a span continuing the last one of its kind
+        # and name extends it
+        self.events: list = []
 
     # -- record and replay --------------------------------------------------------------
     def begin_step(self, mode) -> None:
@@ -100,28 +106,37 @@ class RankClock:
                 self._apply(*op)
             self._pos += 1
 
-    def advance(self, seconds: float) -> None:
+    def advance(self, seconds: float, name: str = "fixed cost") -> None:
         """Compute for `seconds` (a fixed cost, outside the two queues)."""
-        self._apply(None, seconds)
+        self._apply(None, seconds, name)
 
-    def launch(self, floor: float, seconds: float) -> None:
+    def launch(self, floor: float, seconds: float, name: str = "kernel") -> None:
         """The host issues a kernel `floor` after its previous one; the device runs it for
         `seconds` once issued and free."""
-        self._apply(floor, seconds)
+        self._apply(floor, seconds, name)
 
     def issue_call(self, floor: float) -> None:
         """The host issues a collective: `floor` of host time and none of the device's (a
         replayed step re-launches it from the recording)."""
         if self._mode != "replay":
-            self._apply(floor, 0.0)
+            self._apply(floor, 0.0, None)
 
     def synchronize(self) -> None:
         """The host waits for the device (a value read on the host)."""
-        self._apply(None, None)
+        self._apply(None, None, None)
 
-    def _apply(self, floor, seconds) -> None:
+    def _span(self, kind: str, name, start: float, end: float) -> None:
+        if end <= start:
+            return
+        last = self.events[-1] if self.events else None
+        if last is not None and last[0] == kind and last[1] == name and last[3] == start:
+            last[3] = end
+        else:
+            self.events.append([kind, name, start, end])
+
+    def _apply(self, floor, seconds, name=None) -> None:
         if self._mode == "record":
-            self._ops.append((floor, seconds))
+            self._ops.append((floor, seconds, name))
         if seconds is None:
             if self.issued is not None:
                 self.issued = max(self.issued, self.now)
@@ -130,21 +145,18 @@ class RankClock:
             self.issuing += floor
             self.issued = (self.now if self.issued is None else self.issued) + floor
             if self.issued > self.now:  # the device idles until the host issues the op
+                self._span("host", None, self.now, self.issued)
                 self.host += self.issued - self.now
                 self.now = self.issued
+        if seconds:
+            self._span("compute", name, self.now, self.now + seconds)
         self.now += seconds
         self.compute += seconds
-
-    def _close_segment(self) -> None:
-        if self.now > self._segment_start:
-            self.segments.append((self._segment_start, self.now))
-        self._segment_start = self.now
 
     def ready(self, stream, what=None) -> float:
         """When a call issued now can start on `stream` (`what` describes the call, for
         replay: a replayed step must issue the same calls with the same shapes)."""
         self._event(("call", stream, what))
-        self._close_segment()
         return max(self.now, self.streams.get(stream, 0.0))
 
     def occupy(self, stream, end: float) -> None:
@@ -154,22 +166,19 @@ class RankClock:
         """Compute waits for a call that ran over [start, end]; `pipeline`: a send or receive
         between pipeline stages, whose idle is the pipeline's bubble (Huang et al. 2019)."""
         self._event("wait")
-        self._close_segment()
         if end > self.now:
             if start > self.now:
+                self._span("bubble" if pipeline else "idle", None, self.now, start)
                 self.idle += start - self.now
                 if pipeline:
                     self.bubble += start - self.now
+            self._span("exposed", None, max(start, self.now), end)
             self.exposed += end - max(start, self.now)
-            self.now = self._segment_start = end
+            self.now = end
         self.in_flight.append(self.now)
         if len(self.in_flight) > MAX_IN_FLIGHT:  # the host waits until the device passes the oldest
             passed = self.in_flight.popleft()
             self.issued = passed if self.issued is None else max(self.issued, passed)
-
-    def finish(self) -> None:
-        """Close the last compute segment (when the rank's program returns)."""
-        self._close_segment()
 
     def breakdown(self) -> dict:
         return {"time": self.now, "compute": self.compute, "host": self.host, "issuing": self.issuing,

@@ -224,7 +224,7 @@ class ComputeModel(TorchDispatchMode):
         cost = max(seconds, nbytes / self.byte_rate)
         self.bytes += nbytes
         self.kernels += 1
-        self.clock.launch(self.floor, cost)
+        self.clock.launch(self.floor, cost, name)
         if self.by_op is not None:
             row = self.by_op.setdefault(name, [0, 0.0, 0])
             row[0], row[1], row[2] = row[0] + 1, row[1] + cost, row[2] + nbytes

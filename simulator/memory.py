@@ -81,6 +81,7 @@ class MemoryTracker:
         self.step_gradients = 0
         self.peak_step_gradients = 0
         self.peak_transient = 0  # the peak of activations, buffers, temporaries and step gradients together
+        self.at_peak = (0, 0, 0, 0)  # what that peak held: (activations, buffers, temporaries, step gradients)
         self._exclude: set = set()
         self._temporary: dict = {}  # storage id -> (bytes, the finalizer that stops counting a temporary)
         self._held: dict = {}  # storage id -> [bytes, how many saved tensors hold it]
@@ -98,8 +99,10 @@ class MemoryTracker:
         return _Saved(t.detach(), s._cdata, s.nbytes(), self)
 
     def _transient_changed(self) -> None:
-        self.peak_transient = max(self.peak_transient,
-                                  self.activations + self.comm_buffers + self.temporaries + self.step_gradients)
+        now = self.activations + self.comm_buffers + self.temporaries + self.step_gradients
+        if now > self.peak_transient:
+            self.peak_transient = now
+            self.at_peak = (self.activations, self.comm_buffers, self.temporaries, self.step_gradients)
 
     def temporary(self, t: torch.Tensor) -> None:
         """Count `t`'s storage (made by an op in backward) until `t` is freed."""
@@ -178,8 +181,8 @@ class MemoryTracker:
         """Bytes by category now (model states measured from `model` and `optimizer`, or as a
         strategy reports them in `states`), with the peaks so far of the activations and the
         communication buffers, and the peak total: model states as now plus the peak of
-        activations, communication buffers, temporaries and step gradients held together.
-        "gradients" adds the peak of the step gradients to those held now (ZeRO-2/3 free
+        activations, communication buffers, temporaries and step gradients held together,
+        and `at_peak`: that total by category at the moment of its peak. "gradients" adds the peak of the step gradients to those held now (ZeRO-2/3 free
         theirs at the step: a report after it still shows what backward made)."""
         out = dict(states) if states is not None else self.model_states(model, optimizer)
         held = out["gradients"]
@@ -190,6 +193,12 @@ class MemoryTracker:
         out["peak_comm_buffers"] = self.peak_comm_buffers
         out["peak_temporaries"] = self.peak_temporaries
         out["peak_total"] = out["parameters"] + held + out["optimizer"] + self.peak_transient
+        activations, buffers, temporaries, step_gradients = self.at_peak
+        # the peak total by category at the moment of the peak: the parts sum to it (the
+        # table and the plots draw this one split)
+        out["at_peak"] = {"parameters": out["parameters"], "gradients": held + step_gradients,
+                          "optimizer": out["optimizer"], "activations": activations,
+                          "temporaries": temporaries, "comm_buffers": buffers}
         return out
 
 

@@ -69,9 +69,6 @@ class SimulatedTime(TimeModel):
         pipeline = label is not None and (label.startswith("pp.") or label == "metrics.loss_pp")
         self.ranks[rank].clock.wait(start, end, pipeline=pipeline)
 
-    def rank_finished(self, rank: int) -> None:
-        self.ranks[rank].clock.finish()
-
     def rank_view(self, rank: int) -> RankTiming:
         return self.ranks[rank]
 

@@ -1,10 +1,12 @@
 """Chrome / Perfetto trace of simulated time (chrome://tracing, ui.perfetto.dev).
 
-One process per rank with two threads: the compute stream (segments of modelled compute
-between calls) and the communication stream (every call of the ledger over its simulated
-[start, end], named by its label, with op, group, bytes and algorithm as arguments).
-Gaps on the compute stream are stalls: idle (waiting for the last rank of a collective)
-or exposed communication. Times are microseconds.
+One process per rank with two threads: the compute stream, as the clock's timeline spent it
+(simulator/clock.py): each kernel named by its op (`mm`, `flash_attention`, `_fused_adamw`;
+category "compute"), and each stall named for what it is, "waiting for the host" (category
+"host"), "idle: waiting for peers" ("idle"), "pipeline bubble" ("bubble") and "exposed
+communication" ("exposed"); and the communication stream (every call of the ledger over its
+simulated [start, end], named by its label, with op, group, bytes and algorithm as
+arguments). Times are microseconds.
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import json
 import os
 
 COMPUTE, COMM = 0, 1
+STALLS = {"host": "waiting for the host", "idle": "idle: waiting for peers", "bubble": "pipeline bubble",
+          "exposed": "exposed communication"}
 
 
 def chrome_trace(ledger, clocks, ranks=None) -> dict:
@@ -24,9 +28,9 @@ def chrome_trace(ledger, clocks, ranks=None) -> dict:
         events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
         events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": COMPUTE, "args": {"name": "compute"}})
         events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": COMM, "args": {"name": "communication"}})
-        for start, end in clock.segments:
-            events.append({"ph": "X", "name": "compute", "cat": "compute", "pid": rank, "tid": COMPUTE,
-                           "ts": start * 1e6, "dur": (end - start) * 1e6})
+        for kind, name, start, end in clock.events:
+            events.append({"ph": "X", "name": name if kind == "compute" else STALLS[kind], "cat": kind, "pid": rank,
+                           "tid": COMPUTE, "ts": start * 1e6, "dur": (end - start) * 1e6})
         for e in ledger.for_rank(rank):
             if e.start is None:
                 raise ValueError("the ledger has no simulated times: launch with a hardware profile")
