@@ -14,12 +14,9 @@ def machine() -> dict:
 
 
 def default_json(name: str) -> str:
-    """Where a benchmark writes its JSON by default: benchmarks/results/NAME.json in a
-    checkout of the repository (those files are committed), else ./NAME.json (an installed
-    copy must not write into site-packages)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    if os.path.exists(os.path.join(os.path.dirname(here), "pyproject.toml")):
-        return os.path.join(here, "results", f"{name}.json")
+    """Where a benchmark writes its JSON by default: NAME.json in the current folder, never
+    the repository's committed results (benchmarks/results/NAME.json: a developer writes
+    there on purpose, with --json, the run they choose to commit)."""
     return os.path.abspath(f"{name}.json")
 
 

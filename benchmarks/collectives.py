@@ -11,7 +11,7 @@
 3. The same small program (all_reduce, all_gather, broadcast of 1 MiB, 20 rounds) end to
    end at 8 ranks on the simulator and on 8 gloo processes.
 
-Prints a table and writes JSON (benchmarks/results/collectives.json by default).
+Prints a table and writes JSON (collectives.json in the current folder by default).
 """
 import argparse
 import os

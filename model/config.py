@@ -1,6 +1,7 @@
 """GPT configuration, named presets, and the parameter-count and FLOPs formulas."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 
@@ -36,6 +37,16 @@ class GPTConfig:
     attention_dropout: float = 0.0
 
     def __post_init__(self):
+        for name, least in (("vocab_size", 2), ("d_model", 1), ("n_layers", 1), ("n_heads", 1), ("seq_len", 2),
+                            ("n_kv_heads", 0), ("d_ff", 0), ("n_experts", 0)):
+            value = getattr(self, name)
+            if value < least:
+                raise ValueError(f"{name}={value!r} must be a whole number of at least {least}")
+        for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "rope_base", "norm_eps", "init_std"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)} must be finite")
+        if self.aux_loss_coef < 0 or self.z_loss_coef < 0:
+            raise ValueError(f"aux_loss_coef={self.aux_loss_coef} and z_loss_coef={self.z_loss_coef} must be >= 0")
         if self.d_ff == 0:
             object.__setattr__(self, "d_ff", -(-8 * self.d_model // 3 // 16) * 16)
         if self.n_heads % self.kv_heads:

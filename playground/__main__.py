@@ -1,6 +1,19 @@
+"""`playground` and `python -m playground`: the command (cli.py), with Ctrl-C answered in one
+line and status 130 from the first moment, while the command's own modules or torch are
+still being imported (cli.main handles it from then on, ranks included)."""
+import os
 import sys
 
-from .cli import main
+
+def main() -> int:
+    try:
+        from .cli import main as command
+        return command()
+    except KeyboardInterrupt:  # (before cli.main took over: importing it, or torch inside it)
+        sys.stderr.write("\nplayground: interrupted\n")
+        sys.stderr.flush()
+        os._exit(130)  # no teardown: a module interrupted mid-import may not unload cleanly
+
 
 if __name__ == "__main__":
     sys.exit(main())

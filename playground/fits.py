@@ -33,10 +33,3 @@ def verdict(peak: float, hw, headroom: float = DEFAULT_HEADROOM) -> str:
     if peak > hw.hbm_capacity:
         return f"OOM by {human_bytes(peak - hw.hbm_capacity)}"
     return "fits" if fits(peak, hw, headroom) else f"tight (over {1 - headroom:.0%})"
-
-
-def check_headroom(headroom: float) -> float:
-    if not 0.0 <= headroom < 1.0:
-        raise ValueError(f"--memory-headroom {headroom}: give the share of HBM kept free, at least 0 and below 1 "
-                         f"(default {DEFAULT_HEADROOM})")
-    return headroom

@@ -366,7 +366,7 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_di
         part.materialize(device, run.seed, state_dict, rank=mesh.rank)
     # 7. data parallelism on each part
     zero = _uses_zero(run)
-    label = (lambda s, name: f"{name}.stage{s}") if layout.pp > 1 else (lambda s, name: name)
+    label = (lambda s, name: f"{name}.pp{s}") if layout.pp > 1 else (lambda s, name: name)
     experts = [expert_parameters(part) if split_experts else [] for part in parts]
     # expert shards: the sum over the expert-data-parallel group (× tp slices) over dp·cp (moe/plan.py)
     expert_scale = sp_slices / layout.ep

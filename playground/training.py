@@ -201,7 +201,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
                 (bar.write if bar is not None else print)(f"checkpoint: step {step + 1} saved to {run.save} "
                                                           f"({written / 2**20:,.1f} MiB)", file=sys.stderr)
         if bar is not None:
-            bar.set_postfix(loss=f"{out['losses'][-1]:.4f}", tok_s=f"{run.tokens_per_step / out['step_times'][-1]:,.0f}")
+            bar.set_postfix(loss=f"{out['losses'][-1]:.4f}", last_step_tok_s=f"{run.tokens_per_step / out['step_times'][-1]:,.0f}")
             bar.update()
     if bar is not None:
         bar.close()

@@ -97,8 +97,18 @@ def load_hardware(name_or_path: str) -> Hardware:
         return PROFILES[key]
     elif not os.path.exists(name_or_path):
         raise ValueError(f"hardware {name_or_path!r}: not a profile ({profile_names()}) nor a file")
-    with open(name_or_path, "rb") as f:
-        data = tomllib.load(f) if name_or_path.endswith(".toml") else json.load(f)
+    if os.path.isdir(name_or_path):
+        raise ValueError(f"hardware {name_or_path!r}: a folder, not a profile file")
+    toml = name_or_path.endswith(".toml")
+    try:
+        with open(name_or_path, "rb") as f:
+            data = tomllib.load(f) if toml else json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:  # (json's and tomllib's decode errors are ValueErrors)
+        raise ValueError(f"hardware file {name_or_path!r}: not valid {'TOML' if toml else 'JSON'} ({e})") from None
+    except OSError as e:
+        raise ValueError(f"hardware file {name_or_path!r}: cannot read it ({e.strerror})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"hardware file {name_or_path!r}: holds a {type(data).__name__}, not a table of fields")
     return hardware_from_dict(data, name_or_path)
 
 
@@ -114,5 +124,11 @@ def hardware_from_dict(data: dict, where: str = "profile") -> Hardware:
     unknown = sorted(set(data) - set(names) - {"calibration"})
     if missing or unknown:
         raise ValueError(f"hardware file {where!r}: missing {missing}, unknown {unknown}")
-    return Hardware(**{n: (int(data[n]) if n == "gpus_per_node" else str(data[n]) if n in ("name", "source")
-                           else None if data[n] is None else float(data[n])) for n in names if n in data})
+    values = {}
+    for n in (n for n in names if n in data):
+        try:
+            values[n] = (int(data[n]) if n == "gpus_per_node" else str(data[n]) if n in ("name", "source")
+                         else None if data[n] is None else float(data[n]))
+        except (TypeError, ValueError):
+            raise ValueError(f"hardware file {where!r}: {n} = {data[n]!r} is not a number") from None
+    return Hardware(**values)

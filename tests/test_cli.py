@@ -36,9 +36,10 @@ def test_each_verb_has_its_own_dtype_and_the_command_line_runs_the_apis_layout(v
     set for plan once made train and check run bfloat16); with no layout flags the command
     line runs what Layout() and RunConfig() give in Python."""
     from playground import Layout, RunConfig
-    from playground.cli import _parser, run_config
-    args = _parser().parse_args([verb] + (["--hardware", "h100-sxm"] if verb == "plan" else []))
-    run_ = run_config(args, default_steps=3, meta=verb == "plan")
+    from playground.flags import parser
+    from playground.inputs import run_config
+    args = parser().parse_args([verb] + (["--hardware", "h100-sxm"] if verb == "plan" else []))
+    run_ = run_config(args, set())
     assert run_.dtype == dtype
     assert run_.layout == Layout() and run_.layout.micro_batch_size == RunConfig().layout.micro_batch_size == 4
 

@@ -155,7 +155,7 @@ def test_zero1_with_pp_reduces_each_stage_once_per_step():
                     for _, _, ps in unit_specs(model, list(model.blocks.values())))
         entries = [e for e in res.ledger.for_rank(r) if e.label.startswith("zero.")]
         assert sum(e.bytes_sent for e in entries) == 2 * psi_s * (dp - 1) // dp * 4 * steps
-        assert {e.label.split(".")[1] for e in entries} == {f"stage{stage}"}
+        assert {e.label.split(".")[1] for e in entries} == {f"pp{stage}"}
         units = len({e.label for e in entries}) // 2
         assert len([e for e in entries if e.op == "reduce_scatter"]) == units * steps
 

@@ -94,4 +94,4 @@ def test_an_estimate_from_shallow_plans_equals_the_full_plan(axes):
 
 def test_search_needs_the_world_and_the_batch(cli):
     status, _, err = cli("plan", "--search", "--hardware", "h100-sxm")
-    assert status == 2 and "--world N and --global-batch B" in err
+    assert status == 2 and "--world N and --global-batch-size B" in err
