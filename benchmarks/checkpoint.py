@@ -20,7 +20,7 @@ sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from benchmarks._common import default_json, print_table, write_json  # noqa: E402
-from collectives import Mesh, launch  # noqa: E402
+from collectives import launch  # noqa: E402
 from collectives.ledger import human_bytes  # noqa: E402
 from model import GPT, preset  # noqa: E402
 from playground import Layout, RunConfig  # noqa: E402
@@ -36,7 +36,7 @@ RESHARD_TO = {"dp8": "dp8-zero3", "dp8-zero1": "dp4-tp2", "dp8-zero3": "dp8", "d
 
 
 def _build(world, run, device):
-    mesh = Mesh(world, **run.layout.mesh_axes())
+    mesh = run.layout.mesh(world)
     return parallelize(GPT(run.model, dtype=run.param_dtype, device="meta"), mesh, run, device)
 
 

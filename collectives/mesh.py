@@ -7,6 +7,12 @@ those that differ only in dp and cp (group-rank order follows the mesh order). G
 created on first use, every group of the axis set on every rank, in one deterministic
 order, as torch.distributed requires; so every rank must ask for the same axis sets in
 the same order.
+
+An axis can be laid out over sub-axes (`split`): `Mesh(world, pp=1, dp=8, tp=2,
+split={"dp": {"dp_replicate": 2, "dp_shard": 4}})` numbers the ranks exactly as without it
+(dp = dp_replicate·4 + dp_shard), and `mesh.group("dp_shard")` is the group of the ranks
+that differ only in dp_shard (hybrid sharding's shard group; torchtitan's
+`dp_replicate × dp_shard`), while `mesh.group("dp")` is still every data-parallel rank.
 """
 from __future__ import annotations
 
@@ -15,7 +21,14 @@ import math
 
 
 class Mesh:
-    def __init__(self, group, **axes: int):
+    def __init__(self, group, split: dict | None = None, **axes: int):
+        split = {k: v for k, v in (split or {}).items() if len(v) > 1}
+        for axis, subs in split.items():
+            if axis not in axes or math.prod(subs.values()) != axes[axis]:
+                raise ValueError(f"Mesh split of {axis!r}: {subs} must multiply to its size {axes.get(axis)}")
+        self.aliases = {axis: tuple(subs) for axis, subs in split.items()}  # an axis -> its sub-axes
+        axes = {k: v for axis, size in axes.items() for k, v in (split[axis].items() if axis in split
+                                                                  else [(axis, size)])}
         if not axes:
             raise ValueError("Mesh needs at least one axis, e.g. Mesh(world, dp=2, tp=2)")
         bad = {k: v for k, v in axes.items() if not isinstance(v, int) or v < 1}
@@ -36,10 +49,15 @@ class Mesh:
         return self.parent.rank
 
     def size(self, axis: str | None = None) -> int:
-        return self.parent.size if axis is None else self.shape[self._check(axis)]
+        if axis is None:
+            return self.parent.size
+        return math.prod(self.shape[self._check(a)] for a in self.aliases.get(axis, (axis,)))
 
     def coord(self, axis: str) -> int:
-        return self._coords[self.names.index(self._check(axis))]
+        c = 0
+        for a in self.aliases.get(axis, (axis,)):
+            c = c * self.shape[a] + self._coords[self.names.index(self._check(a))]
+        return c
 
     def coords_of(self, rank: int) -> tuple:
         return coords_of(self.shape, rank)
@@ -57,6 +75,7 @@ class Mesh:
         """The group of ranks that differ from this rank only along `axes`."""
         if not axes:
             raise ValueError("mesh.group needs at least one axis")
+        axes = tuple(a for axis in axes for a in self.aliases.get(axis, (axis,)))
         for a in axes:
             self._check(a)
         key = tuple(sorted(set(axes), key=self.names.index))

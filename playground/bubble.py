@@ -5,7 +5,7 @@ bubble is the fraction of the step a rank is not computing: 1 − m·(F + B) / s
 returns each rank's peak activation memory, measured as autograd saves tensors."""
 from __future__ import annotations
 
-from collectives import Mesh, launch
+from collectives import launch
 from simulator import MemoryTracker, SimulatedTime
 from model import GPT
 from model.data import MarkovSource
@@ -19,7 +19,7 @@ COSTS = {"F": UNIT, "B": 2 * UNIT, "I": UNIT, "W": UNIT}
 
 def _rank(world, run, costs):
     layout, cfg = run.layout, run.model
-    mesh = Mesh(world, **layout.mesh_axes())
+    mesh = layout.mesh(world)
     memory = MemoryTracker()
     model = parallelize(GPT(cfg, dtype=run.param_dtype, device="meta"), mesh, run, "cpu", unit_costs=costs)
     batch = MarkovSource(cfg.vocab_size, seed=run.seed).global_batch(0, layout.global_batch, cfg.seq_len)

@@ -4,7 +4,8 @@ fits, instead of minutes of creating threads and then the OOM killer.
 
 Every simulated rank holds its model states (parameters, gradients, AdamW's two moments:
 16 bytes per parameter in float32, 32 in float64, of its tensor- and pipeline-parallel
-share; ZeRO shards all but the parameters over dp) plus per-rank bookkeeping (the
+share; ZeRO shards the moments, from stage 2 the gradients and at stage 3 the parameters
+over its shard group) plus per-rank bookkeeping (the
 modules, hooks, the ledger). Measured on this project's 2-core machine with DDP: 1.4 MB
 per rank for the tiny preset (Ψ = 31k) and 22.3 MB for small (Ψ = 870k), against
 0.5 MB and 13.9 MB of states: so per rank 1.6 × states + 1 MiB, above a fixed 0.5 GiB
@@ -46,10 +47,16 @@ def available_memory() -> int | None:
 
 
 def per_rank_bytes(run) -> float:
+    """A rank's model states in process memory: its tp·pp share of the parameters, the
+    gradients and AdamW's two moments, ZeRO sharding by stage over the shard group
+    (dp_shard·cp: all of dp·cp without hybrid sharding), as in search.model_states_bound."""
     layout, cfg = run.layout, run.model
     share = cfg.n_params() / (layout.tp * layout.pp)
     width = 8 if run.dtype == "float64" else 4
-    states = share * width * (1 + (3 / layout.dp if layout.zero else 3))
+    n = layout.dp_shard * layout.cp if layout.zero else 1
+    params = 1 / n if layout.zero >= 3 else 1
+    grads = 1 / n if layout.zero >= 2 else 1
+    states = share * width * (params + grads + 2 / n)
     return STATE_FACTOR * states + PER_RANK
 
 

@@ -187,6 +187,13 @@ def _layout_flags(p, verb: str) -> None:
                                                    "parallelism.expert_parallel_degree")):
         g.add_argument(f"--{axis}", type=whole(1), help=f"{what} degree ({names}) (default: " +
                        ("what --world leaves over the other axes, else 1)" if axis == "dp" else "1)"))
+    g.add_argument("--dp-shard", type=whole(1),
+                   help="hybrid sharding (HSDP) with --zero: the data-parallel ranks each ZeRO shard group spans, "
+                        "neighbours within a node (torchtitan parallelism.data_parallel_shard_degree; FSDP's "
+                        "HYBRID_SHARD) (default: all of dp)")
+    g.add_argument("--dp-replicate", type=whole(1),
+                   help="hybrid sharding with --zero: the replicas of each shard group, across nodes; dp = dp-shard × "
+                        "dp-replicate (torchtitan parallelism.data_parallel_replicate_degree) (default: 1)")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                    help="ZeRO stage over dp: 1 optimizer states (Megatron --use-distributed-optimizer), 2 and "
                         "gradients, 3 and parameters (FSDP, torchtitan's data_parallel_shard_degree); 0 is DDP")

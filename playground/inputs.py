@@ -159,13 +159,33 @@ def _stage_layers(text):
         raise LayoutError(f"--stage-layers {text!r}: give comma-separated block counts, e.g. 1,3") from None
 
 
+def _hybrid(args) -> tuple:
+    """(dp, dp_replicate, dp_shard) from --dp, --dp-replicate and --dp-shard (None: not given)."""
+    dp, rep, shard = args.dp, args.dp_replicate, args.dp_shard
+    if rep is not None and shard is not None:
+        if dp is not None and dp != rep * shard:
+            raise InputError(f"--dp {dp} but --dp-replicate {rep} × --dp-shard {shard} = {rep * shard}: give two of "
+                             f"them, or three that agree")
+        dp = rep * shard
+    return dp, rep, shard
+
+
 def _layout(args, world) -> Layout:
     microbatches = args.microbatches
-    kw = dict(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero, schedule=args.schedule,
+    dp, rep, shard = _hybrid(args)
+    kw = dict(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero, schedule=args.schedule,
               virtual_stages=args.virtual_stages, sequence_parallel=args.sp, micro_batch_size=args.micro_batch_size,
               stage_layers=_stage_layers(args.stage_layers), cp_impl=args.cp_impl, cp_balance=args.cp_balance,
               ac=args.ac)
     layout = Layout.from_counts(world=world, microbatches=microbatches or 1, **kw)
+    if shard is not None and rep is None:
+        if layout.dp % shard:
+            raise InputError(f"--dp-shard {shard} does not divide dp={layout.dp}; it could be one of "
+                             f"{[d for d in range(1, layout.dp + 1) if layout.dp % d == 0]}")
+        rep = layout.dp // shard
+    if rep is not None:
+        kw["dp_replicate"] = rep
+        layout = Layout.from_counts(world=world, microbatches=microbatches or 1, **kw)
     gb = getattr(args, "global_batch", None)
     if gb is not None:
         per = layout.dp * layout.micro_batch_size

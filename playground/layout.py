@@ -1,7 +1,9 @@
 """`Layout`: how a training run is split over ranks, validated before any work.
 
 world = pp·dp·cp·tp; mesh axes outermost to innermost pp, dp, cp, tp (TP innermost so its
-groups stay inside a node); EP groups are carved out of dp×cp. Global batch =
+groups stay inside a node); EP groups are carved out of dp×cp. With hybrid sharding dp is
+laid out as dp_replicate × dp_shard (shard innermost: a shard group of neighbouring ranks
+stays inside a node; Zhao et al. 2023, FSDP's HYBRID_SHARD). Global batch =
 dp × microbatches × micro_batch_size sequences (docs/architecture.md, Contract 5).
 
 Every check says which numbers disagree and what would fit. Axes whose strategy is not
@@ -45,6 +47,9 @@ class Layout:
     cp_impl: str = "ring"  # context parallelism: "ring" attention or "ulysses" all-to-all
     cp_balance: str = "zigzag"  # which sequence chunks a cp rank holds: "zigzag" or "contiguous"
     ac: str = "none"  # activation checkpointing of every block: "none", "full" or "selective"
+    # hybrid sharding: dp = dp_replicate × dp_shard; ZeRO shards over dp_shard (× cp) and the
+    # shards are replicated dp_replicate times (1: ZeRO over all of dp, or DDP without --zero)
+    dp_replicate: int = 1
 
     @property
     def world(self) -> int:
@@ -55,8 +60,23 @@ class Layout:
         """Sequences per optimizer step, over all ranks."""
         return self.dp * self.microbatches * self.micro_batch_size
 
+    @property
+    def dp_shard(self) -> int:
+        """The data-parallel ranks a ZeRO shard group spans (all of dp without hybrid sharding)."""
+        return self.dp // self.dp_replicate
+
     def mesh_axes(self) -> dict:
         return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
+
+    def mesh(self, group):
+        """The layout's Mesh over `group` (the world): axes pp, dp, cp, tp, with dp split
+        under hybrid sharding."""
+        from collectives import Mesh
+        return Mesh(group, split=self.mesh_split(), **self.mesh_axes())
+
+    def mesh_split(self) -> dict:
+        """Mesh(..., split=...): dp as dp_replicate × dp_shard under hybrid sharding."""
+        return {"dp": {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}} if self.dp_replicate > 1 else {}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,6 +84,8 @@ class Layout:
     def describe(self) -> str:
         axes = " × ".join(f"{k}={v}" for k, v in self.mesh_axes().items() if v > 1) or "1 rank"
         extra = [f"zero={self.zero}"] if self.zero else []
+        if self.dp_replicate > 1:
+            extra.append(f"hybrid sharding: dp_replicate={self.dp_replicate} × dp_shard={self.dp_shard}")
         if self.sequence_parallel:
             extra.append("sequence parallel")
         if self.ep > 1:
@@ -85,7 +107,9 @@ class Layout:
         that dp takes what is left when only `world` (and other axes) are given."""
         given = {k: v for k, v in kw.items() if v is not None}
         axes = ("dp", "tp", "pp", "cp")
-        for k in axes + ("ep", "microbatches", "virtual_stages", "micro_batch_size"):
+        if world is not None and world < 1:
+            raise LayoutError(f"world={world}: must be at least 1")
+        for k in axes + ("ep", "microbatches", "virtual_stages", "micro_batch_size", "dp_replicate"):
             if k in given and (not isinstance(given[k], int) or given[k] < 1):
                 raise LayoutError(f"--{k.replace('_', '-')} must be a positive integer, got {given[k]!r}")
         if world is not None and "dp" not in given:
@@ -170,6 +194,12 @@ class Layout:
                 raise LayoutError(f"zero={self.zero} with pp={self.pp}: ZeRO-2/3 would reduce-scatter every stage's "
                                   f"gradients (and ZeRO-3 re-gather its weights) once per microbatch, not once per "
                                   f"step; use zero=1 (sharded optimizer states) with pipelines")
+        if self.dp % self.dp_replicate:
+            raise LayoutError(f"dp_replicate={self.dp_replicate} does not divide dp={self.dp}; it could be one of "
+                              f"{divisors(self.dp)}")
+        if self.dp_replicate > 1 and not self.zero:
+            raise LayoutError(f"dp_replicate={self.dp_replicate}: hybrid sharding replicates ZeRO's shards; without "
+                              f"--zero every parameter is replicated already (DDP): add --zero 1, 2 or 3")
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("sequence_parallel needs tp > 1")
         if self.tp > 1 and c.d_ff % self.tp:

@@ -18,7 +18,8 @@ docs/architecture.md, "Composition"):
    each block's body through torch.compile (the hooks of data parallelism stay outside it);
 then every part is materialized on the device (each local tensor from its placement);
 7. data parallelism on each part over dp × cp (parameters are replicated across cp, as in
-   Megatron and torchtitan): DDP, or ZeRO with the part's blocks as units; with expert
+   Megatron and torchtitan): DDP, or ZeRO with the part's blocks as units (under hybrid
+   sharding, ZeRO within dp_shard × cp and its shards all-reduced across dp_replicate); with expert
    parallelism the expert shards get a wrapper of their own over the expert-data-parallel
    group, their averaged gradients divided by ep (moe/plan.py says why).
 
@@ -371,15 +372,19 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_di
     # expert shards: the sum over the expert-data-parallel group (× tp slices) over dp·cp (moe/plan.py)
     expert_scale = sp_slices / layout.ep
     if zero:
-        def zero_engine(part, group, units, exclude, name, scale=1.0):
+        def zero_engine(part, group, units, exclude, name, scale=1.0, replicate=None):
             return ZeroDataParallel(part, group, layout.zero, units=units, exclude=exclude, grad_scale=scale,
                                     lr=run.lr, betas=run.betas, weight_decay=run.weight_decay,
                                     compute_dtype=torch_dtype(run.dtype),
                                     reduce_dtype=torch_dtype(run.reduce_dtype) if run.reduce_dtype else None,
-                                    memory=memory, label=name, overlap=run.grad_overlap)
+                                    memory=memory, label=name, overlap=run.grad_overlap, replicate=replicate)
+        # hybrid sharding: the dense parameters sharded within dp_shard (× cp), the shards
+        # replicated across dp_replicate (the experts keep theirs over the expert-data-parallel group)
+        shard, replicate = ((mesh.group("dp_shard", "cp"), mesh.group("dp_replicate")) if layout.dp_replicate > 1
+                            else (dp, None))
         wrappers = []
         for s, part, mine in zip(stages, parts, experts):
-            w = [zero_engine(part, dp, zero_units(part), mine, label(s, "zero"))]
+            w = [zero_engine(part, shard, zero_units(part), mine, label(s, "zero"), replicate=replicate)]
             if mine:
                 dense = [p for p in part.parameters() if all(p is not q for q in mine)]
                 w.append(zero_engine(part, edp_group, [m.experts for m in part.moe_layers()], dense,

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from collectives import Mesh, ReduceOp, launch
+from collectives import ReduceOp, launch
 from collectives.ledger import human_bytes
 from model import GPT
 from pipeline import fewest_microbatches
@@ -40,12 +40,12 @@ from simulator import MemoryTracker, SimulatedTime, load_hardware
 
 from .fits import DEFAULT_HEADROOM, fits, verdict
 from .parallelize import data_parallel_group, expert_mesh_axes, parallelize
-from .report import MEMORY_AT_PEAK, _rank_ranges, bytes_per_step, memory_at_peak, table
+from .report import MEMORY_AT_PEAK, _rank_ranges, bytes_per_step, links_table, memory_at_peak, table
 
 
 def plan_rank(world, run) -> dict:
     layout, cfg = run.layout, run.model
-    mesh = Mesh(world, **layout.mesh_axes())
+    mesh = layout.mesh(world)
     memory = MemoryTracker()
     dtype = torch.float32 if run.dtype in ("bfloat16", "float16") else run.param_dtype
     model = parallelize(GPT(cfg, dtype=dtype, device="meta"), mesh, run, "meta", memory)
@@ -137,6 +137,10 @@ def placement_signatures(layout, gpus_per_node: int) -> np.ndarray:
     cols = [_group_placements(shape, axes, gpus_per_node)
             for axes in (("dp",), ("tp",), ("cp",), ("pp",), ("dp", "cp"), ("dp", "cp", "tp"))]
     cols += [_group_placements(eshape, axes, gpus_per_node) for axes in (("ep",), ("edp", "tp"))]
+    if layout.dp_replicate > 1:  # hybrid sharding's shard and replicate groups
+        fine = {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "cp": layout.cp,
+                "tp": layout.tp}
+        cols += [_group_placements(fine, axes, gpus_per_node) for axes in (("dp_shard", "cp"), ("dp_replicate",))]
     rank = np.arange(layout.world)
     stride = layout.dp * layout.cp * layout.tp
     cols += [((rank + d * stride) % layout.world // gpus_per_node == rank // gpus_per_node)[:, None]
@@ -217,6 +221,8 @@ def summary(p: Plan, headroom: float = DEFAULT_HEADROOM) -> str:
                        [[_rank_ranges(r), *row] for r, row in _classes(rows)], left=1))
     lines.append("\ncommunication per rank per step (planned):")
     lines.append(bytes_per_step(p.ledger, 2))
+    if layout.world > 1:
+        lines.append(links_table(p.ledger, 2, run.hardware))
     return "\n".join(lines)
 
 

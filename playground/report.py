@@ -6,7 +6,7 @@ from collectives.ledger import human_bytes
 from pipeline import build_schedule
 from pipeline import table as schedule_text
 
-from .summary import communication_classes, label_family
+from .summary import communication_classes, label_family, link_classes
 
 
 def table(header, rows, left: int = 2) -> str:
@@ -63,6 +63,17 @@ def bytes_per_step(ledger, steps: int) -> str:
     return table(["ranks", "label", "algorithm", "calls/step", "sent/step", "received/step"], rows, left=3)
 
 
+def links_table(ledger, steps: int, hardware: str) -> str:
+    """Bytes each class of ranks sends per step within its node and across nodes, on the
+    profile's nodes (gpus_per_node)."""
+    from simulator.hardware import load_hardware
+    gpn = load_hardware(hardware).gpus_per_node
+    rows = [[_rank_ranges(ranks), human_bytes(within), human_bytes(across)]
+            for ranks, within, across in link_classes(ledger, steps, gpn)]
+    return (f"\nbytes sent per rank per step by link ({gpn} GPUs per node: NVLink within a node, the network "
+            f"across nodes):\n" + table(["ranks", "within a node", "across nodes"], rows, left=3))
+
+
 def train_summary(res) -> str:
     run, cfg = res.run, res.run.model
     lines = [
@@ -99,6 +110,8 @@ def train_summary(res) -> str:
         lines.append(memory_table(res))
     lines.append("\ncommunication per rank per step (from the ledger):")
     lines.append(bytes_per_step(res.ledger, len(res.losses)))
+    if run.hardware and run.layout.world > 1:
+        lines.append(links_table(res.ledger, len(res.losses), run.hardware))
     return "\n".join(lines)
 
 

@@ -12,7 +12,9 @@ with experts, the largest divisor of dp·cp that divides the experts; micro-batc
 pipeline (ZeRO-0 holds more than ZeRO-1 for the same traffic; ZeRO-2 lies between), ZeRO-1
 with one (ZeRO-2/3 are refused there); 1F1B and, where the layers and microbatches allow,
 interleaved 1F1B with two chunks per rank; activation checkpointing none, selective and
-full. Axes the caller fixes (`fixed`) are not searched.
+full; and, where dp spans nodes, hybrid sharding (ZeRO within the dp ranks of one node, or
+of 2, 4, ... nodes, the shards replicated across the rest) beside ZeRO over all of dp. Axes the caller fixes (`fixed`)
+are not searched.
 
 Each candidate is first held to `Layout.validate` and to a lower bound of its memory (the
 model states alone: bf16 weights and gradients, fp32 master weights and moments, split by
@@ -85,15 +87,22 @@ def candidates(cfg, world: int, global_batch: int, gpus_per_node: int, fixed: di
                                     if cfg.n_experts else 1])[0]
                 for mbs in options("micro_batch_size", [b for b in (1, 2, 4, 8) if (global_batch // dp) % b == 0]):
                     m = global_batch // dp // mbs
+                    # hybrid sharding: ZeRO within the dp ranks of a node (or of 2, 4, ... nodes),
+                    # the shards replicated across the rest
+                    node = gpus_per_node // (tp * cp) if gpus_per_node % (tp * cp) == 0 else 0
+                    shards = [node << j for j in range(32) if 1 < node << j < dp] if node else []
+                    replicas = [1] + [dp // n for n in shards if dp % n == 0]
                     for zero in options("zero", [1] if pp > 1 else [1, 3]):
                         schedules = [("1f1b", 1)]
                         if pp > 1 and cfg.n_layers % (2 * pp) == 0 and m % pp == 0:
                             schedules.append(("interleaved", 2))
                         for schedule, v in schedules if pp > 1 else [("1f1b", 1)]:
-                            for ac in options("ac", ["none", "selective", "full"]):
-                                out.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, schedule=schedule,
-                                                  microbatches=m, virtual_stages=v, sequence_parallel=tp > 1,
-                                                  micro_batch_size=mbs, ac=ac))
+                            for rep in options("dp_replicate", replicas):
+                                for ac in options("ac", ["none", "selective", "full"]):
+                                    out.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
+                                                      schedule=schedule, microbatches=m, virtual_stages=v,
+                                                      sequence_parallel=tp > 1, micro_batch_size=mbs, ac=ac,
+                                                      dp_replicate=rep))
     return out
 
 
@@ -101,10 +110,10 @@ def model_states_bound(cfg, layout: Layout) -> float:
     """Bytes of model states per rank, a lower bound of its peak: bf16 weights and
     gradients (2 + 2 bytes) and fp32 master weights and AdamW moments (12 bytes) per
     parameter, each rank holding 1/(tp·pp) of the parameters, ZeRO sharding the 12 bytes
-    (stage 1) and the gradients too (2) over dp·cp; stage 3 keeps no bf16 weights (each
-    all-gather casts the master shard: zero/zero.py)."""
+    (stage 1) and the gradients too (2) over dp·cp (dp_shard·cp under hybrid sharding);
+    stage 3 keeps no bf16 weights (each all-gather casts the master shard: zero/zero.py)."""
     psi = cfg.n_params() / (layout.tp * layout.pp)
-    n = layout.dp * layout.cp
+    n = layout.dp_shard * layout.cp  # (hybrid sharding shards within dp_shard only)
     weights, grads, states = 2 * psi, 2 * psi, 12 * psi / (n if layout.zero >= 1 else 1)
     if layout.zero >= 2:
         grads /= n

@@ -60,6 +60,25 @@ def communication_classes(ledger, steps: int) -> list:
     return sorted(((sorted(ranks), rows) for rows, ranks in by_rows.values()), key=lambda c: c[0][0])
 
 
+def link_classes(ledger, steps: int, gpus_per_node: int) -> list:
+    """[(ranks, bytes sent per step within a node, across nodes)], one row per class of
+    ranks alike (simulator/cost_model.py, `sent_across_nodes`); setup calls left out."""
+    from simulator.cost_model import sent_across_nodes
+    by_record: dict = {}
+    for r, entries in enumerate(ledger.per_rank):
+        by_record.setdefault(id(entries), (entries, []))[1].append(r)
+    rows: dict = {}
+    for entries, ranks in by_record.values():
+        across = total = 0
+        for e in entries:
+            if _setup(e.label):
+                continue
+            total += e.bytes_sent
+            across += sent_across_nodes(e.op, e.algorithm, e.size, e.group, e.rank, e.bytes_sent, gpus_per_node)
+        rows.setdefault(((total - across) / steps, across / steps), []).extend(ranks)
+    return sorted(((sorted(r), within, across) for (within, across), r in rows.items()), key=lambda c: c[0][0])
+
+
 def communication(ledger, steps: int) -> list:
     """Per rank and label: `_per_label`'s rows with the rank."""
     out = [{"rank": r, **row} for ranks, rows in communication_classes(ledger, steps) for r in ranks for row in rows]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 from tqdm import tqdm
 
-from collectives import Mesh, ReduceOp, launch
+from collectives import ReduceOp, launch
 from simulator import MemoryTracker, SimulatedTime
 from model.data import make_source
 
@@ -124,7 +124,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
     --train-iters): relaunching the same command after a crash finishes the same run. With
     `run.save` checkpoints are written, at every `save_every`-th step and at the last."""
     layout, cfg = run.layout, run.model
-    mesh = Mesh(world, **layout.mesh_axes())
+    mesh = layout.mesh(world)
     dp = mesh.group("dp")
     replicas = data_parallel_group(mesh, layout)  # dp × cp: the loss is averaged over it
     device = _device(run)

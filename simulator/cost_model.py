@@ -138,3 +138,28 @@ def _hierarchical(op: str, S: float, m: int, k: int, hw: Hardware) -> float:
     if op == "all_reduce":
         return 2 * ring_all_gather(k, S, intra) + ring_all_reduce(m, S / k, inter)
     return ring_all_gather(m, S / k, inter) + ring_all_gather(k, S, intra)
+
+
+# -- links -------------------------------------------------------------------------------------
+def sent_across_nodes(op: str, algorithm: str, S: int, ranks, rank: int, sent: int, gpus_per_node: int) -> int:
+    """Of the `sent` bytes `rank` moved in one call on the group `ranks`, those that left its
+    node (the rest stayed on NVLink). A ring (and a chain) sends to the next rank in group
+    order, a point-to-point call to its peer: all of it crosses or none. Hierarchical moves
+    only its inter-node share across (2(m-1)/m·S/k for all_reduce, (m-1)/m·S/k otherwise),
+    recursive doubling the exchanges whose partner sits on another node."""
+    node = rank // gpus_per_node
+    if all(r // gpus_per_node == node for r in ranks) or sent == 0:
+        return 0
+    p, i = len(ranks), list(ranks).index(rank)
+    if algorithm == "hierarchical":
+        m, k, _ = placement(ranks, gpus_per_node)
+        return 2 * (m - 1) * (S // k) // m if op == "all_reduce" else (m - 1) * (S // k) // m
+    if algorithm == "recursive_doubling":
+        steps = math.ceil(math.log2(p))
+        off = sum(1 for j in range(steps) if (i ^ (1 << j)) >= p or ranks[i ^ (1 << j)] // gpus_per_node != node)
+        return sent * off // steps
+    if op in ("send", "recv") or algorithm == "p2p":
+        peer = ranks[1 - i] if p == 2 else ranks[(i + 1) % p]
+    else:  # the ring, the chain: to the next rank in group order
+        peer = ranks[(i + 1) % p]
+    return sent if peer // gpus_per_node != node else 0

@@ -281,10 +281,9 @@ def _layout(name: str) -> Layout:
 
 
 def _build(world, layout):
-    from collectives import Mesh
     from playground.parallelize import parallelize
     run = RunConfig(model=RESHARD_CFG, layout=layout, dtype="float64", progress=False)
-    return run, parallelize(GPT(RESHARD_CFG, dtype=torch.float64, device="meta"), Mesh(world, **layout.mesh_axes()),
+    return run, parallelize(GPT(RESHARD_CFG, dtype=torch.float64, device="meta"), layout.mesh(world),
                             run, "cpu")
 
 
@@ -344,12 +343,13 @@ def _reshard(a, b, root):
 # once loaded an element as 0 (a flat range's stop read as inclusive) or one element late (a flat
 # range of a TP slice starting after its place)
 SHARDINGS = ["dp1", "dp3-zero1", "dp5-zero1", "dp4-zero3", "dp2-tp2-zero2", "dp3-tp2-zero1", "dp6-tp2-zero1",
-             "dp6-tp2-zero3", "tp2", "pp2-dp2-zero1"]
+             "dp6-tp2-zero3", "tp2", "pp2-dp2-zero1", "dp6-dp_replicate2-zero3", "dp4-dp_replicate2-tp2-zero1"]
 PAIRS = [("dp3-zero1", "dp5-zero1"), ("dp5-zero1", "dp3-zero1"), ("dp3-tp2-zero1", "dp6-tp2-zero3"),
-         ("dp6-tp2-zero1", "dp3-tp2-zero1"), ("dp4-zero3", "dp2-tp2-zero2"), ("pp2-dp2-zero1", "dp6-tp2-zero1")]
+         ("dp6-tp2-zero1", "dp3-tp2-zero1"), ("dp6-dp_replicate2-zero3", "dp4-dp_replicate2-tp2-zero1"),
+         ("dp4-zero3", "dp2-tp2-zero2"), ("pp2-dp2-zero1", "dp6-tp2-zero1")]
 
 
-@pytest.mark.parametrize("a,b", [pair if i < 4 else pytest.param(*pair, marks=pytest.mark.slow)
+@pytest.mark.parametrize("a,b", [pair if i < 5 else pytest.param(*pair, marks=pytest.mark.slow)
                                  for i, pair in enumerate(PAIRS)], ids=[f"{a}->{b}" for a, b in PAIRS])
 def test_resharding_loads_every_element_from_its_own_place(a, b, tmp_path):
     _reshard(a, b, tmp_path)

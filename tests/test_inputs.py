@@ -103,7 +103,7 @@ def test_help_lists_only_what_each_verb_accepts_with_its_default():
     for flag in ("--hardware", "--trace", "--save", "--resume", "--count-every-step", "--no-progress"):
         assert flag not in text["check"], flag
     train = " ".join(text["train"].split()).split("model and layout:")[1]  # (the flags, after the usage)
-    assert "(default: 0)" in train.split("--zero")[1].split("--sp")[0]  # a default of 0 is shown
+    assert "(default: 0)" in train.split("--zero {")[1].split("--sp")[0]  # a default of 0 is shown
     assert "(default: 0)" in train.split("--seed")[1].split("--data")[0]
     assert train.split("--ac {")[1].split("--seq-len")[0].count("default") == 1
     moe = train.split("mixture of experts")[1].split("training:")[0]

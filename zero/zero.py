@@ -36,8 +36,18 @@ do not exist through the next forward; the memory tracker counts them as the ste
 gradients (`MemoryTracker.gradients`). The optimizer is torch's AdamW applied to the shards: AdamW
 is elementwise, so updating shards equals updating the whole.
 
+Hybrid sharding (HSDP; FSDP's HYBRID_SHARD, torchtitan's `dp_replicate × dp_shard`; Zhao et
+al. 2023, section 3.2.1): with a `replicate` group the engine shards over `group` (the shard
+group, within a node) and keeps one copy of its shards per replica: each unit's gradient is
+reduce-scattered in the shard group, then its shard all-reduced across the replicas (both
+averaging, so the result is the mean over shard × replicate ranks), and the parameters are
+all-gathered within the shard group only. The replicas then hold equal shards, update them
+alike, and the optimizer states are sharded by the shard group's size alone. The all-reduce
+of a unit's shard is started when its reduce-scatter is done and waited before the shard is
+used (as a unit's reduce-scatter is), so it overlaps the backward of the units before it.
+
 Communication labels: `zero.grads.unit<i>` (all-reduce at stage 0, reduce-scatter
-otherwise), `zero.params.unit<i>` (the all-gather after the step, stages 1-2),
+otherwise), `zero.replicate.unit<i>` (HSDP's all-reduce of the shard across replicas), `zero.params.unit<i>` (the all-gather after the step, stages 1-2),
 `zero.gather.unit<i>` (stage 3's all-gathers), `zero.overflow` (fp16). Unit 0 is the root.
 
 `overlap=False` (stages 0-1): every unit's gradient is reduced after the backward, in
@@ -91,7 +101,7 @@ class ZeroDataParallel(nn.Module):
                  lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, compute_dtype=None, reduce_dtype=None,
                  loss_scaler: DynamicLossScaler | None = None, memory=None, label: str = "zero",
-                 overlap: bool = True):
+                 overlap: bool = True, replicate=None):
         super().__init__()
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -100,6 +110,9 @@ class ZeroDataParallel(nn.Module):
                              f"hold a full gradient): reducing after the backward needs stage 0 or 1")
         self.overlap = overlap  # False: reduce every unit's gradient after the backward, not as each is ready
         self.module, self.group, self.stage, self.label = module, group, stage, label
+        if replicate is not None and stage == 0:
+            raise ValueError("hybrid sharding replicates shards: it needs ZeRO stage 1, 2 or 3 (stage 0 shards nothing)")
+        self.replicate = replicate if replicate is not None and replicate.size > 1 else None
         self.master_dtype = next(module.parameters()).dtype
         self.compute_dtype = compute_dtype or self.master_dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
@@ -137,6 +150,7 @@ class ZeroDataParallel(nn.Module):
             u.reduce = None  # (work, buffer) of the gradient reduction in flight
         self.optimizer = adamw([u.master for u in self.units], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self._in_flight: list = []  # units whose gradient reduction is in flight, oldest first
+        self._replicating: list = []  # HSDP: units whose shard's all-reduce across replicas is in flight
         self._deferred: list = []  # without overlap: units whose gradients wait for the end of backward
         self.ready = GradientReady(self.units, lambda u: u.params, on_ready=self._unit_ready,
                                    on_end=self._end_of_backward, on_grad=self._grad_arrived)
@@ -277,6 +291,23 @@ class ZeroDataParallel(nn.Module):
     def _finish_reduce(self, u) -> None:
         work, buf = u.reduce
         work.wait()
+        if self.replicate is not None:  # HSDP: the shard, averaged across the replicas next
+            work = self.replicate.all_reduce(buf[u.lo:u.hi], op=ReduceOp.AVG, async_op=True,
+                                             label=f"{self.label}.replicate.{u.name}")
+            u.reduce = (work, buf)
+            self._replicating.append(u)
+            while self.stage >= 2 and len(self._replicating) > 1:  # (one unit's full gradient in flight)
+                self._finish_replicate(self._replicating.pop(0))
+            return
+        self._collect(u, buf)
+
+    def _finish_replicate(self, u) -> None:
+        work, buf = u.reduce
+        work.wait()
+        self._collect(u, buf)
+
+    def _collect(self, u, buf) -> None:
+        """Keep unit `u`'s reduced gradient from `buf` (its shard, at stages 1-3)."""
         if self.stage >= 2:
             if u.grad_shard is None:
                 u.grad_shard = buf[u.lo:u.hi].to(self.compute_dtype, copy=True)
@@ -297,6 +328,9 @@ class ZeroDataParallel(nn.Module):
         for u in self._in_flight:
             self._finish_reduce(u)
         self._in_flight = []
+        for u in self._replicating:
+            self._finish_replicate(u)
+        self._replicating = []
         if self.stage == 3:
             for u in self.units:
                 self._free(u)
