@@ -52,17 +52,21 @@ def _bench(args) -> int:
 
 
 def _export(args) -> int:
-    from .checkpoint import CheckpointError
     from .inputs import InputError, writable
     try:
         if os.path.exists(args.file) and not args.overwrite:
-            raise CheckpointError(f"{args.file}: exists; add --overwrite to replace it")
-        writable("export", args.file)
+            raise InputError(f"{args.file}: exists; add --overwrite to replace it")
+        if not os.path.isdir(args.directory):
+            raise InputError(f"{args.directory}: no such checkpoint folder")
+        writable("", args.file)  # (before torch is imported and the checkpoint read)
         import torch
 
-        from .checkpoint import export
-        state = export(args.directory)
-    except (CheckpointError, InputError) as e:
+        from .checkpoint import CheckpointError, export
+        try:
+            state = export(args.directory)
+        except CheckpointError as e:
+            raise InputError(str(e)) from None
+    except InputError as e:
         print(f"playground export: {e}", file=sys.stderr)
         return 2
     tmp = args.file + ".tmp"

@@ -34,21 +34,22 @@ def writable(flag: str, path: str, folder: bool = False) -> None:
     """Raise InputError unless `path` (a file, or a `folder`) can be written: it is not the
     wrong kind of thing, and the nearest folder that exists above it takes a new file."""
     target = os.path.abspath(path)
+    flag = f"{flag} " if flag else ""
     if folder and os.path.exists(target) and not os.path.isdir(target):
-        raise InputError(f"{flag} {path}: exists and is not a folder")
+        raise InputError(f"{flag}{path}: exists and is not a folder")
     if not folder and os.path.isdir(target):
-        raise InputError(f"{flag} {path}: is a folder; give a file name")
+        raise InputError(f"{flag}{path}: is a folder; give a file name")
     probe = target if folder else os.path.dirname(target)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
-        raise InputError(f"{flag} {path}: {probe} is a file, not a folder")
+        raise InputError(f"{flag}{path}: {probe} is a file, not a folder")
     try:
         fd, name = tempfile.mkstemp(dir=probe, prefix=".playground-probe-")
         os.close(fd)
         os.remove(name)
     except OSError as e:
-        raise InputError(f"{flag} {path}: cannot write in {probe} ({e.strerror})") from None
+        raise InputError(f"{flag}{path}: cannot write in {probe} ({e.strerror})") from None
 
 
 def _outputs(args) -> None:
@@ -69,6 +70,7 @@ def _needs(typed: set, args, layout: Layout, cfg) -> None:
         ("--cp-impl", layout.cp == 1, f"--cp-impl {args.cp_impl} needs --cp 2 or more: without it attention is "
                                       f"not split"),
         ("--cp-balance", layout.cp == 1, f"--cp-balance {args.cp_balance} needs --cp 2 or more"),
+        ("--sp", layout.tp == 1, "--sp splits the sequence over tensor-parallel ranks: it needs --tp 2 or more"),
         ("--overwrite", not getattr(args, "save", None), "--overwrite replaces a checkpoint: it needs --save DIR"),
         ("--count-every-step", not getattr(args, "hardware", None), "--count-every-step counts simulated time: it "
                                                                     "needs --hardware"),
@@ -92,6 +94,17 @@ def _needs(typed: set, args, layout: Layout, cfg) -> None:
         for flag in ("--top", "--exact"):
             if flag in typed:
                 raise InputError(f"{flag} ranks the layouts of --search: add --search")
+
+
+def _exist(args) -> None:
+    """The files and folders the run reads, there (their contents are read in `check_files`)."""
+    data = getattr(args, "data", None)
+    if data and data != "markov" and not os.path.exists(data):
+        raise InputError(f"--data {data}: no such file")
+    for flag, dest, folder in (("--resume", "resume", True), ("--init-from", "init_from", False)):
+        path = getattr(args, dest, None)
+        if path and not (os.path.isdir(path) if folder else os.path.isfile(path)):
+            raise InputError(f"{flag} {path}: no such {'checkpoint folder' if folder else 'file'}")
 
 
 # -- the model --------------------------------------------------------------------------------
@@ -216,8 +229,8 @@ def run_config(args, typed: set):
         world = int(os.environ["WORLD_SIZE"])  # under torchrun the world is its process count
     layout = _layout(args, world)
     cfg = _model(args, typed)
-    layout.validate(cfg)
     _needs(typed, args, layout, cfg)
+    layout.validate(cfg)
     hardware = getattr(args, "hardware", None)
     if hardware:
         from simulator.hardware import load_hardware
@@ -236,6 +249,7 @@ def run_config(args, typed: set):
                     save_every=getattr(args, "save_every", None), resume=getattr(args, "resume", None),
                     init_from=getattr(args, "init_from", None), compile=getattr(args, "compile", False),
                     bf16_copies=args.bf16_copies)
+    _exist(args)
     if run.backend == "sim" and not meta:  # (a plan's ranks hold meta tensors: no memory)
         check_simulated_memory(run)
     return run

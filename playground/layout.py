@@ -190,10 +190,6 @@ class Layout:
                 build_schedule(self.schedule, self.pp, self.microbatches, self.virtual_stages)
             except ScheduleError as e:
                 raise LayoutError(f"pp={self.pp}, schedule {self.schedule!r}: {e}") from None
-            if self.zero > 1:
-                raise LayoutError(f"zero={self.zero} with pp={self.pp}: ZeRO-2/3 would reduce-scatter every stage's "
-                                  f"gradients (and ZeRO-3 re-gather its weights) once per microbatch, not once per "
-                                  f"step; use zero=1 (sharded optimizer states) with pipelines")
         if self.dp % self.dp_replicate:
             raise LayoutError(f"dp_replicate={self.dp_replicate} does not divide dp={self.dp}; it could be one of "
                               f"{divisors(self.dp)}")

@@ -377,7 +377,8 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_di
                                     lr=run.lr, betas=run.betas, weight_decay=run.weight_decay,
                                     compute_dtype=torch_dtype(run.dtype),
                                     reduce_dtype=torch_dtype(run.reduce_dtype) if run.reduce_dtype else None,
-                                    memory=memory, label=name, overlap=run.grad_overlap, replicate=replicate)
+                                    memory=memory, label=name, overlap=run.grad_overlap, replicate=replicate,
+                                    accumulate=layout.pp > 1)
         # hybrid sharding: the dense parameters sharded within dp_shard (× cp), the shards
         # replicated across dp_replicate (the experts keep theirs over the expert-data-parallel group)
         shard, replicate = ((mesh.group("dp_shard", "cp"), mesh.group("dp_replicate")) if layout.dp_replicate > 1

@@ -10,8 +10,9 @@ more (shorter ones gain nothing from splitting attention); dp the rest; ep, for 
 with experts, the largest divisor of dp·cp that divides the experts; micro-batch sizes 1,
 2, 4 and 8 that divide each replica's share of the batch; ZeRO-1 and ZeRO-3 without a
 pipeline (ZeRO-0 holds more than ZeRO-1 for the same traffic; ZeRO-2 lies between), ZeRO-1
-with one (ZeRO-2/3 are refused there); 1F1B and, where the layers and microbatches allow,
-interleaved 1F1B with two chunks per rank; activation checkpointing none, selective and
+with one (ZeRO-2/3 under a pipeline move ZeRO-1's bytes and hold as much during the
+step); 1F1B and, where the layers and microbatches allow, interleaved 1F1B with two
+chunks per rank; activation checkpointing none, selective and
 full; and, where dp spans nodes, hybrid sharding (ZeRO within the dp ranks of one node, or
 of 2, 4, ... nodes, the shards replicated across the rest) beside ZeRO over all of dp. Axes the caller fixes (`fixed`)
 are not searched.

@@ -54,6 +54,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_bad_input_is_one_line_naming_the_flag_and_exit_2(args, message, tmp_path, cli, monkeypatch):
     (tmp_path / "bad.json").write_text("{name: 'h100', peak_tflops: 989,}\n")
     (tmp_path / "afile").write_text("a plain file: nothing can be written under it\n")
+    (tmp_path / "ck").mkdir()
     monkeypatch.chdir(tmp_path)
     status, out, err = cli(*args)
     assert status == 2, out + err

@@ -58,7 +58,12 @@ forward-backward; `RunConfig.grad_overlap`).
 Under `no_sync()` stages 0 and 1 accumulate gradients locally and reduce at the next
 backward outside it; stages 2 and 3 reduce every microbatch (their point is not to hold
 a full gradient), so gradient accumulation costs them one gradient reduction per
-microbatch, and stage 3 also two all-gathers per microbatch. When a unit's gradient is
+microbatch, and stage 3 also two all-gathers per microbatch. Under a pipeline, whose
+stages run many microbatches' forwards and backwards interleaved, `accumulate=True` takes
+torchtitan's policy instead: stages 2-3 accumulate full gradients too and reduce once per
+step, and stage 3 gathers each unit at its first use and keeps it until the optimizer
+step. The step's traffic is then ZeRO-1's; what stages 2-3 still save is memory between
+steps (no full gradient, and at stage 3 no gathered parameters, outside the step). When a unit's gradient is
 ready comes from the machinery DDP uses too (model.grad_hooks).
 
 Every shard knows its place in the reference (model.placement): the parameter's own
@@ -101,7 +106,7 @@ class ZeroDataParallel(nn.Module):
                  lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, compute_dtype=None, reduce_dtype=None,
                  loss_scaler: DynamicLossScaler | None = None, memory=None, label: str = "zero",
-                 overlap: bool = True, replicate=None):
+                 overlap: bool = True, replicate=None, accumulate: bool = False):
         super().__init__()
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -109,6 +114,10 @@ class ZeroDataParallel(nn.Module):
             raise ValueError(f"ZeRO stage {stage} reduces each unit's gradient as its backward ends (it does not "
                              f"hold a full gradient): reducing after the backward needs stage 0 or 1")
         self.overlap = overlap  # False: reduce every unit's gradient after the backward, not as each is ready
+        # under a pipeline (torchtitan's policy): stages 2-3 honour no_sync, accumulating full
+        # gradients over the step's microbatches and reducing once, and stage 3 keeps each unit
+        # gathered from its first use to the optimizer step instead of resharding per microbatch
+        self.accumulate = accumulate
         self.module, self.group, self.stage, self.label = module, group, stage, label
         if replicate is not None and stage == 0:
             raise ValueError("hybrid sharding replicates shards: it needs ZeRO stage 1, 2 or 3 (stage 0 shards nothing)")
@@ -202,7 +211,8 @@ class ZeroDataParallel(nn.Module):
         self._zero_grads()
         works = []
         for u in self.units:
-            if self.stage == 3:  # the next all-gathers read the masters
+            if self.stage == 3:  # the next all-gathers read the masters (kept gathered through a
+                self._free(u)  # pipeline's step, each unit is resharded now)
                 continue
             if self.mixed:
                 u.flat[u.lo:u.hi].copy_(u.master)
@@ -219,7 +229,11 @@ class ZeroDataParallel(nn.Module):
         for u in self.units:
             if self.stage < 2:
                 u.grad_flat.zero_()
-            elif u.grad_shard is not None:
+                continue
+            if u.grad_flat is not None:  # (a step skipped mid-accumulation: its full gradient goes too)
+                self._buffer(-u.grad_flat.nbytes)
+                u.grad_flat = None
+            if u.grad_shard is not None:
                 self._step_gradients(-u.grad_shard.nbytes)
                 u.grad_shard = None
 
@@ -260,10 +274,10 @@ class ZeroDataParallel(nn.Module):
         self._unit_backward_done(u)
 
     def _reducing(self) -> bool:
-        return self.stage >= 2 or self.ready.require_sync
+        return (self.stage >= 2 and not self.accumulate) or self.ready.require_sync
 
     def _unit_backward_done(self, u) -> None:
-        if self.stage == 3:
+        if self.stage == 3 and not self.accumulate:
             self._free(u)
         if not self._reducing():
             return
@@ -331,7 +345,7 @@ class ZeroDataParallel(nn.Module):
         for u in self._replicating:
             self._finish_replicate(u)
         self._replicating = []
-        if self.stage == 3:
+        if self.stage == 3 and not self.accumulate:
             for u in self.units:
                 self._free(u)
 
@@ -392,7 +406,8 @@ class ZeroDataParallel(nn.Module):
                 return  # its gradients are accumulated (the unit's own backward frees it)
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(pre_backward)
-            self._free(u)
+            if not self.accumulate:
+                self._free(u)
         return hook
 
     # -- Contract 4 and memory ----------------------------------------------------------------
