@@ -2,16 +2,13 @@
 a headroom, the share that torch's caching allocator and the CUDA context take beyond the
 tensors a plan counts.
 
-The plan counts tensors (within 0.1% of `torch.cuda.max_memory_allocated` on the committed
-GPU runs), but an allocation needs a free block of its size among the segments the caching
-allocator has reserved. On one H200 with the default allocator (benchmarks/results/gpu/
-run27_one_gpu), the 1b preset ran at a planned 84.7% of HBM (118.5 GiB measured) and ran out
-of memory at 88.4% (23.75 GiB reserved but unallocated when a 15.35 GiB fp32 logits tensor was
-asked for) and at 91.1%. With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (torch's
-allocator maps pages into one growing segment; run30_expandable) those two ran, within 0.1% of
-the plan, and only a peak of 99.5% did not (the CUDA context and NCCL held 1.3 GiB outside the
-allocator). Hence the default headroom of 12% of HBM, and `--memory-headroom 0.02` for runs
-with expandable segments. Under 12%, a layout is `tight`: it may run, and may not.
+The plan counts tensors, but an allocation needs a free block of its size among the
+segments the caching allocator has reserved, so a peak close to the HBM can run out of
+memory with bytes to spare (the README's "Activation checkpointing" gives the H200 runs
+that showed it, with the default allocator and with
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True). Hence a default headroom of 12% of HBM,
+and `--memory-headroom 0.02` for runs with expandable segments. Within the HBM but above
+the usable share, a layout is `tight`: it may run, and may not.
 """
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ laid out as dp_replicate × dp_shard (shard innermost: a shard group of neighbou
 stays inside a node; Zhao et al. 2023, FSDP's HYBRID_SHARD). Global batch =
 dp × microbatches × micro_batch_size sequences (docs/architecture.md, Contract 5).
 
-Every check says which numbers disagree and what would fit. Axes whose strategy is not
-built yet are refused with the issue that brings them, never silently ignored.
+Every check says which numbers disagree and what would fit.
 """
 from __future__ import annotations
 
@@ -17,9 +16,6 @@ from dataclasses import asdict, dataclass
 from activation_checkpointing import MODES as AC_MODES
 from pipeline import SCHEDULES, ScheduleError, build_schedule
 from sequence_parallel.balance import BALANCES, IMPLEMENTATIONS, n_chunks
-
-# strategy flags that parse and validate but whose implementation lands later
-NOT_BUILT: dict = {}
 
 
 class LayoutError(ValueError):
@@ -203,8 +199,4 @@ class Layout:
                               f"tp could be one of {[d for d in divisors(c.d_ff) if c.n_heads % d == 0]}")
         if self.sequence_parallel and c.seq_len % self.tp:
             raise LayoutError(f"sequence parallelism splits seq_len={c.seq_len} over tp={self.tp}: not divisible")
-        for name, what in NOT_BUILT.items():
-            value = getattr(self, name)
-            if value not in (1, 0, False):
-                raise LayoutError(f"{name}={value}: {what} is not built yet")
         return self

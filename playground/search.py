@@ -48,11 +48,9 @@ apart, and the largest is taken: the stage holding the overall peak may change b
 the planned points (the head's stage at 2 stages or few blocks, the first stage's
 microbatches at 16 or many), and across depths the first and the last stage are
 extrapolated (the middle stages hold fewer microbatches than the first and no head). The product terms carry the
-compute, which grows with k·m, and the bubble, with k·p. On the tiny preset
-(tests/test_search.py) the estimates equal the full plans' step and peak to 0.1%; on the
-70b shapes, 32 layers, tp 8 × dp 8 × pp 16 (1F1B, 32 microbatches) and tp 8 × dp 16 ×
-pp 8 (interleaved, 32 microbatches, selective recomputation), to 0.0001% from 4 plans of
-2.6 and 11.8 s against 16.5 and 29.6 s for the full plans.
+compute, which grows with k·m, and the bubble, with k·p. tests/test_search.py holds the
+estimates to the full plans on the tiny preset; the README ("Planning at scale") gives
+their accuracy and cost at 70B.
 """
 from __future__ import annotations
 

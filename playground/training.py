@@ -62,13 +62,10 @@ class Prefetch:
     """On a GPU: this rank's rows of the coming steps' batches are made by a DataLoader worker
     process while the device runs this step, pinned, and copied without blocking the host.
     Making a batch is host work in Python (the synthetic source walks its chain token by
-    token: 20-40 ms a step at 1b); on a thread of this process it held the GIL against the
-    thread that issues the kernels, and a host-bound step lost that time (the last step of
-    each run in benchmarks/results/gpu/run16_host, which prefetched nothing, was the fastest
-    by up to a fifth). A process of its own takes it off this one's interpreter, as a
-    DataLoader worker does for any torch training loop. Measured against the thread on one
-    H200 (benchmarks/results/gpu/run27_one_gpu, run28_before_after): tokens/s the same
-    within the run-to-run spread of host-bound steps there (README, "Performance")."""
+    token); on a thread of this process it held the GIL against the thread that issues the
+    kernels, and a host-bound step lost that time. A process of its own takes it off this
+    one's interpreter, as a DataLoader worker does for any torch training loop (README,
+    "Performance", gives the measurements)."""
 
     def __init__(self, source, n: int, seq_len: int, rows: slice, device: str, start: int, stop: int):
         loader = torch.utils.data.DataLoader(_Rows(source, n, seq_len, rows, start, stop), batch_size=None,
