@@ -92,10 +92,11 @@ def main(argv=None) -> int:
         print(f"\n{verb}: interrupted", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
-        if "torch" in sys.modules or any(t.name.startswith("sim-rank-") and t.is_alive()
-                                         for t in threading.enumerate()):
-            # simulated ranks may be inside torch ops, or torch half imported: leave at once,
-            # without the interpreter's teardown (which would wait on them, or abort)
+        if any(m == "torch" or m.startswith("torch.") for m in sys.modules) or any(
+                t.name.startswith("sim-rank-") and t.is_alive() for t in threading.enumerate()):
+            # simulated ranks may be inside torch ops, or torch half imported (a failed import
+            # leaves its submodules behind, not "torch"): leave at once, without the
+            # interpreter's teardown (which would wait on them, or die in torch's)
             os._exit(130)
         return 130
     finally:
