@@ -46,14 +46,20 @@ def _per_label(entries, steps: int) -> list:
     return out
 
 
-def communication_classes(ledger, steps: int) -> list:
-    """[(ranks, rows)]: `_per_label`'s rows, once for each class of ranks whose calls are
-    alike (a plan's ranks share their stand-in's record, so 10^5 ranks cost one)."""
+def _records(ledger) -> list:
+    """[(a rank's entries, the ranks that share that record)]: a plan's ranks share their
+    stand-in's record, so 10^5 ranks are walked once."""
     by_record: dict = {}
     for r, entries in enumerate(ledger.per_rank):
         by_record.setdefault(id(entries), (entries, []))[1].append(r)
+    return list(by_record.values())
+
+
+def communication_classes(ledger, steps: int) -> list:
+    """[(ranks, rows)]: `_per_label`'s rows, once for each class of ranks whose calls are
+    alike."""
     by_rows: dict = {}
-    for entries, ranks in by_record.values():
+    for entries, ranks in _records(ledger):
         rows = _per_label(entries, steps)
         key = json.dumps(rows, sort_keys=True)
         by_rows.setdefault(key, (rows, []))[1].extend(ranks)
@@ -64,11 +70,8 @@ def link_classes(ledger, steps: int, gpus_per_node: int) -> list:
     """[(ranks, bytes sent per step within a node, across nodes)], one row per class of
     ranks alike (simulator/cost_model.py, `sent_across_nodes`); setup calls left out."""
     from simulator.cost_model import sent_across_nodes
-    by_record: dict = {}
-    for r, entries in enumerate(ledger.per_rank):
-        by_record.setdefault(id(entries), (entries, []))[1].append(r)
     rows: dict = {}
-    for entries, ranks in by_record.values():
+    for entries, ranks in _records(ledger):
         across = total = 0
         for e in entries:
             if _setup(e.label):
