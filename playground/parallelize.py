@@ -17,11 +17,11 @@ docs/architecture.md, "Composition"):
    body runs under torch.utils.checkpoint, full or selective; 6. compile (`compile_blocks`):
    each block's body through torch.compile (the hooks of data parallelism stay outside it);
 then every part is materialized on the device (each local tensor from its placement);
-7. data parallelism on each part over dp × cp (parameters are replicated across cp, as in
-   Megatron and torchtitan): DDP, or ZeRO with the part's blocks as units (under hybrid
-   sharding, ZeRO within dp_shard × cp and its shards all-reduced across dp_replicate); with expert
-   parallelism the expert shards get a wrapper of their own over the expert-data-parallel
-   group, their averaged gradients divided by ep (moe/plan.py says why).
+7. data parallelism (playground/data_parallel.py): each transform hands it the parameter
+   groups it made, with the group their gradients are averaged over (the dense parameters
+   over dp × cp, or under hybrid sharding sharded within dp_shard × cp and replicated
+   across dp_replicate; the expert shards over their expert-data-parallel group, scaled),
+   and one function wraps them: DDP, or ZeRO by stage.
 
 The training loop talks to the result through `ParallelModel` only: `run_step` (the
 microbatches of one step, forward and backward, by gradient accumulation or by the
@@ -37,21 +37,15 @@ from dataclasses import dataclass
 import torch
 
 from activation_checkpointing import checkpoint_blocks
-from collectives.timing import optimizer_kernel
-from ddp import DistributedDataParallel
-from model import placement_of
 from model.gpt import CrossEntropy
-from model.optimizer import adamw, step_count
 from moe import expert_parameters, parallelize_experts
 from pipeline import PipelineExecutor, build_schedule, split_stages
 from sequence_parallel import parallelize_context, shard_sequence
-from simulator.memory import storage_bytes
 from tensor_parallel import parallelize_tensor
-from zero import ZeroDataParallel
 
 from model.moe import MoEStats
 
-from .run_config import torch_dtype
+from .data_parallel import ParamGroup, data_parallel, data_parallel_group
 
 
 # -- how a step runs ---------------------------------------------------------------------------
@@ -87,128 +81,6 @@ class PipelineRunner:
             total = self.executor.run(inputs, targets)
         self.pp.broadcast(total, src=self.pp.size - 1, label="metrics.loss_pp")
         return total
-
-
-class Syncs:
-    """A part's data-parallel wrappers together (the dense one, and the experts' under
-    expert parallelism): `no_sync` enters all of them."""
-
-    def __init__(self, wrappers: list):
-        self.wrappers = wrappers
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        with contextlib.ExitStack() as stack:
-            for w in self.wrappers:
-                stack.enter_context(w.no_sync())
-            yield
-
-    @contextlib.contextmanager
-    def synced(self):
-        """The backward that reduces the step's gradients. A wrapper none of whose parameters
-        got a gradient in it ends it by hand (model.grad_hooks): in a pipeline's split backward
-        the experts' wrapper has all its gradients from the I passes, and W syncs."""
-        before = [w.ready.ended for w in self.wrappers]
-        yield
-        for w, n in zip(self.wrappers, before):
-            if w.ready.ended == n:
-                w.ready.end()
-
-    def scale_loss(self, loss):
-        return self.wrappers[0].scale_loss(loss) if self.wrappers else loss
-
-
-# -- what the optimizer holds --------------------------------------------------------------------
-class ReplicatedAdamW:
-    """torch's AdamW on the local parameters (whole, or tensor-parallel slices) of every
-    part; data parallelism keeps them equal across the replicas (DDP)."""
-
-    def __init__(self, parts: list, run, group, buckets: bool = True):
-        """`buckets`: the gradients are views into DDP's buckets (zeroed in place after each
-        step); otherwise they are freed after each step, as torch's `zero_grad` does, so that
-        they do not take memory while the next forward's activations peak."""
-        self.parts, self.buckets, self.group = parts, buckets, group  # group: any of this rank's (its timing)
-        self.grad_bytes = 0  # without buckets: what the gradients took at the last step
-        self.optimizer = adamw([p for m in parts for p in m.parameters()], lr=run.lr, betas=run.betas,
-                               weight_decay=run.weight_decay)
-
-    def step(self) -> None:
-        with optimizer_kernel(self.group, self.optimizer):
-            self.optimizer.step()
-        if not self.buckets:
-            self.grad_bytes = storage_bytes(p.grad for m in self.parts for p in m.parameters())
-        self.optimizer.zero_grad(set_to_none=not self.buckets)
-
-    def pieces(self, what: str) -> list:
-        out = []
-        for m in self.parts:
-            for name, p in m.named_parameters():
-                t = p if what == "param" else p.grad
-                if t is not None:
-                    out.append((placement_of(name, p), t.detach().to("cpu", torch.float64).clone()))
-        return out
-
-    def state_tensors(self) -> dict:
-        params = [p for m in self.parts for p in m.parameters()]
-        states = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-        grads = [p.grad for p in params] if self.buckets else self.grad_bytes
-        return {"parameters": params, "gradients": grads, "optimizer": states}
-
-    def state_pieces(self) -> list:
-        """[(kind, Placement, tensor)]: the weights ("param") and AdamW's moments of every
-        local parameter (a checkpoint's content)."""
-        out = []
-        for m in self.parts:
-            for name, p in m.named_parameters():
-                pl = placement_of(name, p)
-                out.append(("param", pl, p.detach()))
-                state = self.optimizer.state.get(p, {})
-                out += [(kind, pl, state[kind]) for kind in ("exp_avg", "exp_avg_sq") if kind in state]
-        return out
-
-    @torch.no_grad()
-    def load_state(self, fill, step: int) -> None:
-        for m in self.parts:
-            for name, p in m.named_parameters():
-                pl = placement_of(name, p)
-                p.copy_(fill("param", pl))
-                if step:
-                    state = self.optimizer.state[p]
-                    state["step"] = step_count(self.optimizer, p, step)
-                    for kind in ("exp_avg", "exp_avg_sq"):
-                        state[kind] = fill(kind, pl).to(p.dtype).to(p.device).clone()
-
-
-class ShardedOptimizer:
-    """ZeRO: each part's engine updates the shards it owns."""
-
-    def __init__(self, engines: list):
-        self.engines = engines
-
-    def step(self) -> None:
-        for e in self.engines:
-            e.step()
-
-    def pieces(self, what: str) -> list:
-        return [x for e in self.engines for x in e.pieces(what)]
-
-    def state_tensors(self) -> dict:
-        out = {"parameters": [], "gradients": [], "optimizer": []}
-        for e in self.engines:
-            for k, v in e.state_tensors().items():
-                out[k] += v
-        return out
-
-    def state_pieces(self) -> list:
-        return [x for e in self.engines for x in e.state_pieces()]
-
-    def load_state(self, fill, step: int) -> None:
-        for e in self.engines:
-            e.load_state(fill, step)
-
-    @property
-    def scalers(self) -> list:
-        return [e.scaler for e in self.engines if e.scaler is not None]
 
 
 @dataclass
@@ -290,20 +162,6 @@ def compile_blocks(model, backend: str = "inductor") -> None:
         model.loss = torch.compile(model.loss, backend=backend)
 
 
-def zero_units(part) -> list:
-    """The ZeRO units of a model part, in forward order: the embedding, each block and the
-    head (those it holds); the final norm is left to the root unit. The embedding and the
-    head are units of their own (as torchtitan shards them) so that ZeRO-3 gathers each
-    around its own use only, and their gradients, made at the two ends of backward, are
-    reduced apart: in one root unit both were gathered, and the head's gradient held in the
-    root's buffer, from the start of backward to its end."""
-    return [m for m in (part.tok_emb, *part.blocks.values(), part.lm_head) if m is not None]
-
-
-def _uses_zero(run) -> bool:
-    return bool(run.layout.zero) or run.dtype == "float16" or (run.dtype == "bfloat16" and run.bf16_copies)
-
-
 def expert_mesh(mesh, layout):
     """The same ranks as `mesh`, with dp × cp seen as (edp, ep): expert-parallel groups of ep
     neighbouring dp × cp ranks, and the expert-data-parallel groups across them."""
@@ -314,12 +172,6 @@ def expert_mesh(mesh, layout):
 def expert_mesh_axes(layout) -> dict:
     ep = max(1, layout.ep)
     return {"pp": layout.pp, "edp": layout.dp * layout.cp // ep, "ep": ep, "tp": layout.tp}
-
-
-def data_parallel_group(mesh, layout):
-    """The group gradients are averaged over: dp × cp (context-parallel ranks hold the same
-    parameters and see different tokens of the same sequences)."""
-    return mesh.group("dp", "cp") if layout.cp > 1 else mesh.group("dp")
 
 
 def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_dict=None) -> ParallelModel:
@@ -365,58 +217,19 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_di
             compile_blocks(part)
     for part in parts:
         part.materialize(device, run.seed, state_dict, rank=mesh.rank)
-    # 7. data parallelism on each part
-    zero = _uses_zero(run)
-    label = (lambda s, name: f"{name}.pp{s}") if layout.pp > 1 else (lambda s, name: name)
-    experts = [expert_parameters(part) if split_experts else [] for part in parts]
-    # expert shards: the sum over the expert-data-parallel group (× tp slices) over dp·cp (moe/plan.py)
-    expert_scale = sp_slices / layout.ep
-    if zero:
-        def zero_engine(part, group, units, exclude, name, scale=1.0, replicate=None):
-            return ZeroDataParallel(part, group, layout.zero, units=units, exclude=exclude, grad_scale=scale,
-                                    lr=run.lr, betas=run.betas, weight_decay=run.weight_decay,
-                                    compute_dtype=torch_dtype(run.dtype),
-                                    reduce_dtype=torch_dtype(run.reduce_dtype) if run.reduce_dtype else None,
-                                    memory=memory, label=name, overlap=run.grad_overlap, replicate=replicate,
-                                    accumulate=layout.pp > 1)
-        # hybrid sharding: the dense parameters sharded within dp_shard (× cp), the shards
-        # replicated across dp_replicate (the experts keep theirs over the expert-data-parallel group)
-        shard, replicate = ((mesh.group("dp_shard", "cp"), mesh.group("dp_replicate")) if layout.dp_replicate > 1
-                            else (dp, None))
-        wrappers = []
-        for s, part, mine in zip(stages, parts, experts):
-            w = [zero_engine(part, shard, zero_units(part), mine, label(s, "zero"), replicate=replicate)]
-            if mine:
-                dense = [p for p in part.parameters() if all(p is not q for q in mine)]
-                w.append(zero_engine(part, edp_group, [m.experts for m in part.moe_layers()], dense,
-                                     label(s, "zero.experts"), expert_scale))
-            wrappers.append(w)
-        optimizer = ShardedOptimizer([e for w in wrappers for e in w])
-        autocast = contextlib.nullcontext()  # ZeRO computes in its compute copies' dtype
-        hidden_dtype = torch_dtype(run.dtype) if run.dtype in ("bfloat16", "float16") else run.param_dtype
-    else:
-        bucket_mb = run.bucket_cap_mb if run.grad_overlap else float("inf")  # one bucket: reduced after backward
-        # a replica group of one rank has nothing to average: no wrapper, no buckets (the
-        # experts' wrapper stays where it scales their gradients)
-        wrappers = []
-        for s, part, mine in zip(stages, parts, experts):
-            dense = [p for p in part.parameters() if all(p is not q for q in mine)]
-            w = [DistributedDataParallel(part, dp, bucket_cap_mb=bucket_mb, label=label(s, "ddp"), params=dense)
-                 ] if dp.size > 1 else []
-            if mine and (edp_group.size > 1 or expert_scale != 1):
-                w.append(DistributedDataParallel(part, edp_group, bucket_cap_mb=bucket_mb,
-                                                 label=label(s, "ddp.experts"), params=mine,
-                                                 grad_scale=expert_scale))
-            wrappers.append(w)
-        optimizer = ReplicatedAdamW(parts, run, dp, buckets=any(wrappers))
-        # autocast caches each weight's bf16 copy for the whole region (a pipeline's whole
-        # schedule), so a block's first forward may cast fewer weights than its recomputation,
-        # and selective checkpointing needs the same ops both times: no cache under checkpointing
-        autocast = (torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16,
-                                   cache_enabled=layout.ac == "none")
-                    if run.dtype == "bfloat16" and device != "meta" else contextlib.nullcontext())
-        hidden_dtype = run.param_dtype
-    syncs = [Syncs(w) for w in wrappers]
+    # 7. data parallelism on each part: the dense parameters over dp × cp (under hybrid
+    # sharding, sharded within dp_shard × cp and replicated across dp_replicate); the expert
+    # shards over the expert-data-parallel group (× tp slices), their averaged gradients
+    # scaled by tp/ep: the sum over that group over dp·cp (moe/plan.py)
+    shard, replicate = ((mesh.group("dp_shard", "cp"), mesh.group("dp_replicate")) if layout.dp_replicate > 1
+                        else (dp, None))
+    groups = []
+    for part in parts:
+        mine = expert_parameters(part) if split_experts else []
+        groups.append([ParamGroup(shard, replicate=replicate)]
+                      + ([ParamGroup(edp_group, params=mine, scale=sp_slices / layout.ep, name="experts",
+                                     units=[m.experts for m in part.moe_layers()])] if mine else []))
+    syncs, optimizer, autocast, hidden_dtype = data_parallel(parts, stages, groups, run, device, memory)
     if layout.pp > 1:
         pp = mesh.group("pp")
         split = layout.tp if layout.sequence_parallel else 1  # SP: stages pass the rank's slice of the sequence

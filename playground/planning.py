@@ -39,7 +39,8 @@ from pipeline import fewest_microbatches
 from simulator import MemoryTracker, SimulatedTime, load_hardware
 
 from .fits import DEFAULT_HEADROOM, fits, verdict
-from .parallelize import data_parallel_group, expert_mesh_axes, parallelize
+from .data_parallel import data_parallel_group
+from .parallelize import expert_mesh_axes, parallelize
 from .report import MEMORY_AT_PEAK, _rank_ranges, bytes_per_step, links_table, memory_at_peak, table
 
 

@@ -26,7 +26,8 @@ from model import GPT
 from model.dropout import seed_dropout
 
 from . import checkpoint
-from .parallelize import data_parallel_group, parallelize
+from .data_parallel import data_parallel_group
+from .parallelize import parallelize
 from .run_config import RunConfig
 
 

@@ -10,7 +10,7 @@ import torch
 from model import GPT, Placement, preset
 from playground import Layout, RunConfig
 from playground.equivalence import check
-from playground.parallelize import zero_units
+from playground.data_parallel import zero_units
 from playground.training import train
 from tensor_parallel import parallelize_tensor
 from zero.zero import unit_specs
@@ -63,7 +63,7 @@ def _flat_range_of_the_full_tensor(monkeypatch):
 
 def _zero_over_the_tensor_parallel_group(monkeypatch):
     """ZeRO built on the mesh's tp group instead of dp: the classic wrong-axis bug."""
-    import playground.parallelize as par
+    import playground.data_parallel as par
     from tensor_parallel import ColumnParallelLinear
     real = par.ZeroDataParallel
 

@@ -8,7 +8,7 @@ from collectives import launch
 from model import GPT
 from model.config import preset
 from playground import Layout, RunConfig, check, train
-from playground.parallelize import zero_units
+from playground.data_parallel import zero_units
 from zero.zero import unit_specs
 
 TINY = preset("tiny")

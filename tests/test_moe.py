@@ -237,7 +237,7 @@ def test_the_check_catches_a_layout_that_routes_by_another_rule(bug, monkeypatch
 def test_the_check_catches_expert_gradients_averaged_by_the_smaller_group(monkeypatch):
     """Dividing by the expert-data-parallel group's size only (grad_scale 1 instead of 1/ep)
     gives expert gradients ep times too large."""
-    import playground.parallelize as par
+    import playground.data_parallel as par
     real = par.DistributedDataParallel
     monkeypatch.setattr(par, "DistributedDataParallel", lambda *a, grad_scale=1.0, **k: real(*a, **k))
     rep = check(_run(steps=1, dp=2, ep=2))

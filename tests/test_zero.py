@@ -11,7 +11,7 @@ from simulator.memory import MemoryTracker
 from model import GPT, preset
 from playground import Layout, RunConfig
 from playground.equivalence import check
-from playground.parallelize import zero_units
+from playground.data_parallel import zero_units
 from playground.training import train
 from zero import DynamicLossScaler, ZeroDataParallel
 from zero.zero import unit_specs
@@ -26,7 +26,7 @@ def _run(stage, dp, dtype="float64", microbatches=2, steps=3, **kw):
 
 
 def _specs(model):
-    """The units training gives the engine (playground.parallelize.zero_units)."""
+    """The units training gives the engine (playground.data_parallel.zero_units)."""
     return unit_specs(model, zero_units(model))
 
 

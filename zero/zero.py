@@ -5,7 +5,7 @@ FSDP-style units (Zhao et al. 2023, "PyTorch FSDP").
 The model's parameters are grouped into units, each flattened into one buffer split into
 equal shards over the data-parallel group (`FlatUnit`). The caller names the units, as
 FSDP2's `fully_shard` is applied per module: submodules, in the order forward runs them
-(training gives the embedding, each transformer block and the head: parallelize's
+(training gives the embedding, each transformer block and the head: playground.data_parallel's
 `zero_units`); the parameters left over form the root unit (there, the final norm). By
 stage:
 
