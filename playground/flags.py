@@ -71,6 +71,7 @@ class Parser(argparse.ArgumentParser):
     """argparse with one-line errors: `playground VERB: --flag VALUE: what is wrong`, exit 2."""
 
     def __init__(self, *args, **kwargs):
+        self.accepted: dict = {}  # {verb: its flags}, set by `parser` once every verb is built
         kwargs.setdefault("allow_abbrev", False)  # (a prefix of a flag is not that flag)
         kwargs.setdefault("formatter_class", Help)
         super().__init__(*args, **kwargs)
@@ -116,7 +117,7 @@ class Parser(argparse.ArgumentParser):
         if not word.startswith("-"):
             return f"{word!r}: unexpected (flags start with --; playground {self.prog.split()[-1]} --help lists them)"
         verb = self.prog.split()[-1]
-        elsewhere = [v for v, flags in ACCEPTED.items() if word in flags]
+        elsewhere = [v for v, flags in self.accepted.items() if word in flags]
         if elsewhere:
             return f"{word} is not a flag of {verb}: it belongs to {' and '.join(elsewhere)}" + \
                    (f" ({WHY_NOT[verb, word]})" if (verb, word) in WHY_NOT else "")
@@ -154,8 +155,7 @@ MEGATRON = {"--tensor-model-parallel-size": "--tp", "--pipeline-model-parallel-s
             "--train-iters": "--steps", "--recompute-granularity": "--ac", "--use-distributed-optimizer": "--zero",
             "--num-layers-per-virtual-pipeline-stage": "--virtual-stages", "--global-batch": "--global-batch-size"}
 
-# which verbs accept a flag (filled by `parser`), and why a verb refuses one a user may try
-ACCEPTED: dict = {}
+# why a verb refuses a flag a user may try
 WHY_NOT = {("plan", f): "a plan runs no data and keeps no weights" for f in
            ("--save", "--resume", "--init-from", "--data", "--seed", "--steps", "--lr", "--backend", "--compile",
             "--save-every", "--overwrite")}
@@ -374,8 +374,10 @@ def parser() -> Parser:
     b = sub.add_parser("bench", help="run a benchmark by name; without a name, list them")
     b.add_argument("name", nargs="?", help="the benchmark (see the list: playground bench)")
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark script")
-    for verb, v in sub.choices.items():
-        ACCEPTED[verb] = {s for a in v._actions for s in a.option_strings if s.startswith("--")}
+    accepted = {verb: {s for a in v._actions for s in a.option_strings if s.startswith("--")}
+                for verb, v in sub.choices.items()}  # which verbs take a flag, for the verbs' errors
+    for v in (p, *sub.choices.values()):
+        v.accepted = accepted
     p.verbs = sub.choices
     return p
 

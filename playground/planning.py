@@ -139,8 +139,7 @@ def placement_signatures(layout, gpus_per_node: int) -> np.ndarray:
             for axes in (("dp",), ("tp",), ("cp",), ("pp",), ("dp", "cp"), ("dp", "cp", "tp"))]
     cols += [_group_placements(eshape, axes, gpus_per_node) for axes in (("ep",), ("edp", "tp"))]
     if layout.dp_replicate > 1:  # hybrid sharding's shard and replicate groups
-        fine = {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "cp": layout.cp,
-                "tp": layout.tp}
+        fine = {k: v for axis, size in shape.items() for k, v in layout.mesh_split().get(axis, {axis: size}).items()}
         cols += [_group_placements(fine, axes, gpus_per_node) for axes in (("dp_shard", "cp"), ("dp_replicate",))]
     rank = np.arange(layout.world)
     stride = layout.dp * layout.cp * layout.tp
