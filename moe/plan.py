@@ -10,14 +10,25 @@ groups, of size dp·cp/ep. Its gradient on a rank already sums the contributions
 tokens of all ep ranks of its EP group (the dispatch's backward brings them), so the
 reference gradient (1/(dp·cp)) Σ over all ranks is the sum over the expert-data-parallel
 group divided by dp·cp: its average divided by ep, not the average alone (that is ep times
-too large).
+too large). Under sequence parallelism the tp ranks of a group route different slices of
+the same tokens, so even at ep 1 the experts' gradients are summed over tp as well: the
+expert-data-parallel group is then (edp, tp), the scale tp/ep.
+
+`parallelize_moe` is the transform the composition applies (docs/architecture.md,
+"Composition", step 4): it shards the experts, says over which ranks each MoE layer counts
+its load (f_i), and hands back what the later steps need from it: the experts' parameter
+group for data parallelism (`ExpertShards`) and the auxiliary losses to add to the reported
+loss (`AuxLosses`).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from model.moe import MoE
+from collectives import Mesh
+from model.moe import MoE, MoEStats
 from model.placement import Placement, Shard, set_placement
 
 from .dispatch import ExpertParallelDispatch
@@ -54,3 +65,81 @@ def parallelize_experts(model, group):
             setattr(layer.experts, name, _shard(full, f"blocks.{i}.mlp.experts.{name}", start, start + local))
         layer.dispatch = ExpertParallelDispatch(group, E)
     return model
+
+
+def expert_mesh_axes(layout) -> dict:
+    """The mesh axes with dp × cp seen as (edp, ep): expert-parallel groups of ep neighbouring
+    dp × cp ranks, and the expert-data-parallel groups across them."""
+    ep = max(1, layout.ep)
+    return {"pp": layout.pp, "edp": layout.dp * layout.cp // ep, "ep": ep, "tp": layout.tp}
+
+
+@dataclass
+class ExpertShards:
+    """The experts' parameters of a part, for data parallelism: their gradients are averaged
+    over the expert-data-parallel `group` and multiplied by `scale` (tp slices / ep)."""
+    group: object
+    params: list
+    scale: float
+    units: list  # ZeRO's units: each MoE layer's experts, in forward order
+    name: str = "experts"
+    replicate: object = None
+
+
+class AuxLosses:
+    """The MoE layers' auxiliary losses of a step, added to the reported loss: each layer's
+    calls weigh 1/microbatches (1/tp per sequence-parallel slice), and the sum is all-reduced
+    over the tp ranks routing slices of one sequence and over the pipeline's stages, so every
+    rank reports the whole loss."""
+
+    def __init__(self, parts: list, slices_group=None, pp_group=None):
+        self.parts, self.slices, self.pp = parts, slices_group, pp_group
+
+    def begin(self, microbatches: int) -> None:
+        slices = self.slices.size if self.slices is not None else 1
+        for m in self.parts:
+            for layer in m.moe_layers():
+                layer.aux_scale, layer.stats = 1.0 / (microbatches * slices), MoEStats()
+
+    def total(self, device) -> torch.Tensor:
+        moe = torch.tensor(sum(layer.stats.aux + layer.stats.z for m in self.parts for layer in m.moe_layers()),
+                           dtype=torch.float64, device=device)
+        if self.slices is not None:  # the TP ranks' slices, to the reported loss on each of them
+            self.slices.all_reduce(moe, label="metrics.moe_tp")
+        if self.pp is not None:  # the stages' MoE losses, to the reported loss on every stage
+            self.pp.all_reduce(moe, label="metrics.moe_pp")
+        return moe
+
+
+class MoEParallel:
+    """What `parallelize_moe` hands the composition: `param_groups(part)` (after the part is
+    materialized) and the loss term `aux`."""
+
+    def __init__(self, edp_group, scale: float, aux: AuxLosses):
+        self.edp, self.scale, self.aux = edp_group, scale, aux
+
+    def param_groups(self, part) -> list:
+        mine = expert_parameters(part) if self.edp is not None else []
+        return [ExpertShards(self.edp, mine, self.scale, [m.experts for m in part.moe_layers()])] if mine else []
+
+
+def parallelize_moe(parts: list, mesh, layout) -> MoEParallel:
+    """Expert parallelism on the model parts of this rank of `mesh` (`layout`: its dp, cp, tp,
+    ep, pp and sequence_parallel): the experts sharded over ep, the load statistics counted over
+    the ranks that see different tokens of a microbatch."""
+    slices = layout.tp if layout.sequence_parallel else 1  # TP ranks holding different tokens
+    edp, scale = None, 1.0
+    if layout.ep > 1 or slices > 1:  # the experts need a reduction of their own
+        ep_mesh = Mesh(mesh.parent, **expert_mesh_axes(layout))  # (every rank makes these groups, in this order)
+        ep_group, edp = ep_mesh.group("ep"), ep_mesh.group("edp", "tp")
+        scale = slices / layout.ep
+        if layout.ep > 1:
+            for part in parts:
+                parallelize_experts(part, ep_group)
+    axes = ("dp", "cp", "tp") if slices > 1 else (("dp", "cp") if layout.cp > 1 else ("dp",))
+    tokens = mesh.group(*axes)  # the ranks holding different tokens of a microbatch
+    for part in parts:
+        for layer in part.moe_layers():
+            layer.stats_group = tokens if tokens.size > 1 else None  # f_i counted over the microbatch's ranks
+    aux = AuxLosses(parts, mesh.group("tp") if slices > 1 else None, mesh.group("pp") if layout.pp > 1 else None)
+    return MoEParallel(edp, scale, aux)

@@ -10,9 +10,10 @@ docs/architecture.md, "Composition"):
    by a name plan;
 3. context parallelism (sequence_parallel.parallelize_context): every block's attention
    core swapped for ring attention or Ulysses, the model told its tokens' positions;
-4. expert parallelism (moe.parallelize_experts): each MoE layer keeps its EP rank's
-   experts and dispatches tokens over all-to-alls; every MoE layer counts its load-balancing
-   statistics over dp × cp;
+4. expert parallelism (moe.parallelize_moe): each MoE layer keeps its EP rank's experts
+   and dispatches tokens over all-to-alls, and counts its load-balancing statistics over the
+   ranks holding different tokens; the transform hands back the experts' parameter group
+   and the auxiliary losses as a loss term;
 5. activation checkpointing (activation_checkpointing.checkpoint_blocks): each block's
    body runs under torch.utils.checkpoint, full or selective; 6. compile (`compile_blocks`):
    each block's body through torch.compile (the hooks of data parallelism stay outside it);
@@ -20,8 +21,8 @@ then every part is materialized on the device (each local tensor from its placem
 7. data parallelism (playground/data_parallel.py): each transform hands it the parameter
    groups it made, with the group their gradients are averaged over (the dense parameters
    over dp × cp, or under hybrid sharding sharded within dp_shard × cp and replicated
-   across dp_replicate; the expert shards over their expert-data-parallel group, scaled),
-   and one function wraps them: DDP, or ZeRO by stage.
+   across dp_replicate; the expert shards as the MoE transform hands them), and one
+   function wraps them: DDP, or ZeRO by stage.
 
 The training loop talks to the result through `ParallelModel` only: `run_step` (the
 microbatches of one step, forward and backward, by gradient accumulation or by the
@@ -32,18 +33,16 @@ Adding a strategy means adding a transform here, not a class per combination.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from activation_checkpointing import checkpoint_blocks
 from model.gpt import CrossEntropy
-from moe import expert_parameters, parallelize_experts
+from moe import parallelize_moe
 from pipeline import PipelineExecutor, build_schedule, split_stages
 from sequence_parallel import parallelize_context, shard_sequence
 from tensor_parallel import parallelize_tensor
-
-from model.moe import MoEStats
 
 from .data_parallel import ParamGroup, data_parallel, data_parallel_group
 
@@ -92,8 +91,7 @@ class ParallelModel:
     runner: object  # GradientAccumulation or PipelineRunner: run(inputs, targets, track) -> loss
     optimizer: object  # ReplicatedAdamW or ShardedOptimizer: step, pieces, state_tensors
     positions: torch.Tensor | None = None  # context parallelism: the sequence positions this rank holds
-    pp_group: object = None  # with a pipeline: to add up the stages' MoE losses
-    slices_group: object = None  # MoE under sequence parallelism: the TP ranks routing slices of one sequence
+    loss_terms: list = field(default_factory=list)  # begin(microbatches), total(device): added to the loss
 
     @property
     def params(self) -> list:
@@ -104,24 +102,16 @@ class ParallelModel:
         """Forward and backward of the step's microbatches (rows of seq_len + 1 tokens: the
         inputs and the targets shifted by one; under context parallelism this rank's
         positions of both); returns this rank's share of the mean loss (0 off the last
-        pipeline stage)."""
+        pipeline stage), with the transforms' loss terms (the MoE auxiliary losses)."""
         inputs, targets = [mb[:, :-1] for mb in micro], [mb[:, 1:] for mb in micro]
         if self.positions is not None:
             inputs = [shard_sequence(x, self.positions) for x in inputs]
             targets = [shard_sequence(y, self.positions) for y in targets]
-        layers = self.moe_layers
-        slices = self.slices_group.size if self.slices_group is not None else 1
-        for layer in layers:  # a microbatch's auxiliary losses weigh 1/m as its cross-entropy (1/tp per slice)
-            layer.aux_scale, layer.stats = 1.0 / (len(micro) * slices), MoEStats()
+        for term in self.loss_terms:
+            term.begin(len(micro))
         total = self.runner.run(inputs, targets, track)
-        if layers or self.pp_group is not None:
-            moe = torch.tensor(sum(layer.stats.aux + layer.stats.z for layer in layers), dtype=torch.float64,
-                               device=total.device)
-            if self.slices_group is not None:  # the TP ranks' slices, to the reported loss on each of them
-                self.slices_group.all_reduce(moe, label="metrics.moe_tp")
-            if self.pp_group is not None:  # the stages' MoE losses, to the reported loss on every stage
-                self.pp_group.all_reduce(moe, label="metrics.moe_pp")
-            total = total + moe
+        for term in self.loss_terms:
+            total = total + term.total(total.device)
         return total
 
     @property
@@ -162,18 +152,6 @@ def compile_blocks(model, backend: str = "inductor") -> None:
         model.loss = torch.compile(model.loss, backend=backend)
 
 
-def expert_mesh(mesh, layout):
-    """The same ranks as `mesh`, with dp × cp seen as (edp, ep): expert-parallel groups of ep
-    neighbouring dp × cp ranks, and the expert-data-parallel groups across them."""
-    from collectives import Mesh
-    return Mesh(mesh.parent, **expert_mesh_axes(layout))
-
-
-def expert_mesh_axes(layout) -> dict:
-    ep = max(1, layout.ep)
-    return {"pp": layout.pp, "edp": layout.dp * layout.cp // ep, "ep": ep, "tp": layout.tp}
-
-
 def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_dict=None) -> ParallelModel:
     """Apply `run.layout` to `model` (the reference GPT on the meta device) on this rank of
     `mesh`; `memory` (a MemoryTracker) is told of communication buffers; `unit_costs`
@@ -196,18 +174,7 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_di
         for part in parts:
             parallelize_context(part, mesh.group("cp"), layout.cp_impl, layout.cp_balance)
     # 4. expert parallelism
-    sp_slices = layout.tp if layout.sequence_parallel else 1  # TP ranks holding different tokens
-    split_experts = layout.ep > 1 or (cfg.n_experts and sp_slices > 1)  # experts need their own reduction
-    if split_experts:
-        ep_mesh = expert_mesh(mesh, layout)  # (every rank makes these groups, in this order)
-        ep_group, edp_group = ep_mesh.group("ep"), ep_mesh.group("edp", "tp")
-        if layout.ep > 1:
-            for part in parts:
-                parallelize_experts(part, ep_group)
-    tokens = mesh.group("dp", "cp", "tp") if cfg.n_experts and sp_slices > 1 else dp  # token-distinct ranks
-    for part in parts:
-        for layer in part.moe_layers():
-            layer.stats_group = tokens if tokens.size > 1 else None  # f_i counted over the microbatch's ranks
+    experts = parallelize_moe(parts, mesh, layout) if cfg.n_experts else None
     # 5. activation checkpointing, 6. compile
     if layout.ac != "none":
         for part in parts:
@@ -218,17 +185,12 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_di
     for part in parts:
         part.materialize(device, run.seed, state_dict, rank=mesh.rank)
     # 7. data parallelism on each part: the dense parameters over dp × cp (under hybrid
-    # sharding, sharded within dp_shard × cp and replicated across dp_replicate); the expert
-    # shards over the expert-data-parallel group (× tp slices), their averaged gradients
-    # scaled by tp/ep: the sum over that group over dp·cp (moe/plan.py)
+    # sharding, sharded within dp_shard × cp and replicated across dp_replicate), and the
+    # groups the transforms handed over (the experts' shards: moe/plan.py)
     shard, replicate = ((mesh.group("dp_shard", "cp"), mesh.group("dp_replicate")) if layout.dp_replicate > 1
                         else (dp, None))
-    groups = []
-    for part in parts:
-        mine = expert_parameters(part) if split_experts else []
-        groups.append([ParamGroup(shard, replicate=replicate)]
-                      + ([ParamGroup(edp_group, params=mine, scale=sp_slices / layout.ep, name="experts",
-                                     units=[m.experts for m in part.moe_layers()])] if mine else []))
+    groups = [[ParamGroup(shard, replicate=replicate)] + (experts.param_groups(part) if experts else [])
+              for part in parts]
     syncs, optimizer, autocast, hidden_dtype = data_parallel(parts, stages, groups, run, device, memory)
     if layout.pp > 1:
         pp = mesh.group("pp")
@@ -246,5 +208,4 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_di
     else:
         runner = GradientAccumulation(parts[0], syncs[0], autocast)
     return ParallelModel(parts, syncs, runner, optimizer, parts[0].positions,
-                         mesh.group("pp") if layout.pp > 1 and cfg.n_experts else None,
-                         tp if cfg.n_experts and sp_slices > 1 else None)
+                         [experts.aux] if experts else [])

@@ -35,12 +35,13 @@ import torch
 from collectives import ReduceOp, launch
 from collectives.ledger import human_bytes
 from model import GPT
+from moe import expert_mesh_axes
 from pipeline import fewest_microbatches
 from simulator import MemoryTracker, SimulatedTime, load_hardware
 
 from .fits import DEFAULT_HEADROOM, fits, verdict
 from .data_parallel import data_parallel_group
-from .parallelize import expert_mesh_axes, parallelize
+from .parallelize import parallelize
 from .report import MEMORY_AT_PEAK, _rank_ranges, bytes_per_step, links_table, memory_at_peak, table
 
 
