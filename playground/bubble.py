@@ -6,11 +6,10 @@ returns each rank's peak activation memory, measured as autograd saves tensors."
 from __future__ import annotations
 
 from collectives import launch
-from simulator import MemoryTracker, SimulatedTime
-from model import GPT
 from model.data import MarkovSource
+from simulator import SimulatedTime
 
-from .parallelize import parallelize
+from .rank_program import RankProgram
 from .run_config import RunConfig
 
 UNIT = 1e-3  # seconds: one forward of a whole stage
@@ -18,18 +17,13 @@ COSTS = {"F": UNIT, "B": 2 * UNIT, "I": UNIT, "W": UNIT}
 
 
 def _rank(world, run, costs):
-    layout, cfg = run.layout, run.model
-    mesh = layout.mesh(world)
-    memory = MemoryTracker()
-    model = parallelize(GPT(cfg, dtype=run.param_dtype, device="meta"), mesh, run, "cpu", unit_costs=costs)
+    rank = RankProgram(world, run, "cpu", unit_costs=costs)
+    cfg, layout = run.model, run.layout
     batch = MarkovSource(cfg.vocab_size, seed=run.seed).global_batch(0, layout.global_batch, cfg.seq_len)
-    rows = layout.global_batch // layout.dp
-    dp = mesh.group("dp")
-    micro = batch[dp.rank * rows:(dp.rank + 1) * rows].split(layout.micro_batch_size)
     clock = world.timing.clock
     t0, b0 = clock.now, clock.bubble
-    model.run_step(micro, lambda: memory.track_activations(exclude=model.params))
-    return clock.now - t0, memory.peak_activations, clock.bubble - b0
+    rank.forward_backward(rank.microbatches(rank.local(batch)))
+    return clock.now - t0, rank.memory.peak_activations, clock.bubble - b0
 
 
 def measure(run: RunConfig, costs=None) -> dict:

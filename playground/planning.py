@@ -32,40 +32,35 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from collectives import ReduceOp, launch
+from collectives import launch
 from collectives.ledger import human_bytes
-from model import GPT
 from moe import expert_mesh_axes
 from pipeline import fewest_microbatches
-from simulator import MemoryTracker, SimulatedTime, load_hardware
+from simulator import SimulatedTime, load_hardware
 
 from .fits import DEFAULT_HEADROOM, fits, verdict
-from .data_parallel import data_parallel_group
-from .parallelize import parallelize
+from .rank_program import RankProgram
 from .report import MEMORY_AT_PEAK, _rank_ranges, bytes_per_step, links_table, memory_at_peak, table
 
 
 def plan_rank(world, run) -> dict:
-    layout, cfg = run.layout, run.model
-    mesh = layout.mesh(world)
-    memory = MemoryTracker()
+    """One rank's two steps on the meta device: the first makes AdamW's moments (its ops are
+    not counted), the second is timed and its memory tracked."""
+    layout = run.layout
     dtype = torch.float32 if run.dtype in ("bfloat16", "float16") else run.param_dtype
-    model = parallelize(GPT(cfg, dtype=dtype, device="meta"), mesh, run, "meta", memory)
-    tokens = torch.empty(layout.global_batch // layout.dp, cfg.seq_len + 1, dtype=torch.long, device="meta")
-    micro = tokens.split(layout.micro_batch_size)
+    rank = RankProgram(world, run, "meta", dtype=dtype)
+    batch = torch.empty(layout.global_batch, run.model.seq_len + 1, dtype=torch.long, device="meta")
+    micro = rank.microbatches(rank.local(batch))
     clock, compute = world.timing.clock, world.timing.compute_model
-    replicas = data_parallel_group(mesh, layout)
     fewest = fewest_microbatches(layout.schedule, layout.pp) if layout.pp > 1 else 1
-    for step in range(2):  # the first makes AdamW's moments; its ops need no counting
+    for step in range(2):
         with compute.paused() if step == 0 else compute.step():  # (a step starts with host and device in step)
             before = clock.breakdown()
-            total = model.run_step(micro[:fewest] if step == 0 else micro,
-                                   lambda: memory.track_activations(exclude=model.params))
-            model.step()
-            replicas.all_reduce(total, op=ReduceOp.AVG, label="metrics.loss")  # as a training step does
+            total = rank.forward_backward(micro[:fewest] if step == 0 else micro)
+            rank.update()
+            rank.average_loss(total)  # as a training step does
             after = clock.breakdown()
-    return {"step": {k: after[k] - before[k] for k in after},
-            "memory": memory.snapshot(states=MemoryTracker.measure(model.state_tensors()))}
+    return {"step": {k: after[k] - before[k] for k in after}, "memory": rank.memory_snapshot()}
 
 
 @dataclass

@@ -18,16 +18,13 @@ from dataclasses import dataclass, replace
 import torch
 from tqdm import tqdm
 
-from collectives import ReduceOp, launch
-from simulator import MemoryTracker, SimulatedTime
+from collectives import launch
+from simulator import SimulatedTime
 from model.data import make_source
-
-from model import GPT
 from model.dropout import seed_dropout
 
 from . import checkpoint
-from .data_parallel import data_parallel_group
-from .parallelize import parallelize
+from .rank_program import RankProgram
 from .run_config import RunConfig
 
 
@@ -122,18 +119,13 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
     --train-iters): relaunching the same command after a crash finishes the same run. With
     `run.save` checkpoints are written, at every `save_every`-th step and at the last."""
     layout, cfg = run.layout, run.model
-    mesh = layout.mesh(world)
-    dp = mesh.group("dp")
-    replicas = data_parallel_group(mesh, layout)  # dp × cp: the loss is averaged over it
     device = _device(run)
-    # model states and communication buffers are always accounted (cheap); activations,
-    # which hook every tensor autograd saves, only with simulated time (--hardware)
-    memory = MemoryTracker()
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     if init is None and run.init_from:
         init = torch.load(run.init_from, map_location="cpu", weights_only=True)
-    model = parallelize(GPT(cfg, dtype=run.param_dtype, device="meta"), mesh, run, device, memory, state_dict=init)
+    rank = RankProgram(world, run, device, state_dict=init)
+    model, mesh = rank.model, rank.mesh
     if collect:  # the check's reference replays the routing decisions made here at near-ties
         for layer in model.moe_layers:
             layer.record = True
@@ -141,7 +133,6 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
     if collect:  # the state every step starts from, for the check's reference to take each step from it
         out_states = {"initial": _state(model), "steps": []}
     source = source or make_source(run.data, cfg.vocab_size, run.seed)
-    rows = layout.global_batch // layout.dp
     out = {"losses": [], "step_times": [], "host_blocked": [], "sim_steps": [], "memory": None, "moe": [], "start": start}
     timing = world.timing if run.hardware else None  # the simulator's clock and compute model
     clock = timing.clock if timing else None
@@ -150,8 +141,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
     # it (and waiting for its average) at every step would stall the host until the device is idle
     deferred = device.startswith("cuda") and bar is None and not run.save
     losses = []
-    mine = slice(dp.rank * rows, (dp.rank + 1) * rows)  # this rank's rows of each global batch
-    prefetch = Prefetch(source, layout.global_batch, cfg.seq_len, mine, device, start, run.steps) \
+    prefetch = Prefetch(source, layout.global_batch, cfg.seq_len, rank.rows, device, start, run.steps) \
         if device.startswith("cuda") else None
     for i, step in enumerate(range(start, run.steps)):  # (the data is a function of the step)
         t0, blocked0 = time.perf_counter(), world.host_blocked()
@@ -167,23 +157,22 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
             if prefetch is not None:
                 local = prefetch.batch(step)
             else:
-                batch = source.global_batch(step, layout.global_batch, cfg.seq_len)
-                local = batch[mine].to(device)
-            micro = local.split(layout.micro_batch_size)
-            track = (lambda: memory.track_activations(exclude=model.params)) if run.hardware and replay != "replay" \
-                else contextlib.nullcontext  # a replayed step's activations are the recorded one's
-            total = model.run_step(micro, track)
+                local = rank.local(source.global_batch(step, layout.global_batch, cfg.seq_len)).to(device)
+            # activations are tracked (every tensor autograd saves hooked) only with simulated
+            # time; a replayed step's are the recorded one's
+            track = rank.track if run.hardware and replay != "replay" else contextlib.nullcontext
+            total = rank.forward_backward(rank.microbatches(local), track)
             if collect:
                 grads, skipped = model.pieces("grad"), _skipped(model)
-            model.step()
+            rank.update()
             if collect:
                 out_states["steps"].append({"grads": grads, "state": _state(model),
                                             "skipped": _skipped(model) > skipped})
             if cfg.n_experts:  # this rank's routing statistics of the step, per MoE layer it holds
                 out["moe"].append({layer.index: dict(vars(layer.stats)) for layer in model.moe_layers})
-            work = replicas.all_reduce(total, op=ReduceOp.AVG, label="metrics.loss", async_op=deferred)
+            work = rank.average_loss(total, async_op=deferred)
             if step == run.steps - 1:  # model states after the last step; the peaks are the tracker's own
-                out["memory"] = memory.snapshot(states=MemoryTracker.measure(model.state_tensors()))
+                out["memory"] = rank.memory_snapshot()
             if clock:
                 sim1 = clock.breakdown()
                 out["sim_steps"].append({k: sim1[k] - sim0[k] for k in sim1})
@@ -214,7 +203,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
         out.update(out_states)
         # the token groups this rank routes: its dp rank's microbatches of its cp rank's (and under
         # sequence parallelism its tp rank's) tokens (equivalence.token_groups)
-        out["token_group"] = (dp.rank, mesh.group("cp").rank, mesh.group("tp").rank if layout.sequence_parallel else 0)
+        out["token_group"] = (rank.dp.rank, mesh.group("cp").rank, mesh.group("tp").rank if layout.sequence_parallel else 0)
     return out
 
 

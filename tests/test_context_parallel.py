@@ -127,7 +127,7 @@ def test_zigzag_without_permuted_rope_positions_fails_the_check(monkeypatch):
         for part in model.parts:
             part.positions = torch.arange(len(model.positions))
         return model
-    monkeypatch.setattr("playground.training.parallelize", unpermuted)
+    monkeypatch.setattr("playground.rank_program.parallelize", unpermuted)
     rep = check(_run(steps=1, cp=2))
     assert not rep.passed and rep.worst("loss").max_rel > 1e-6
 

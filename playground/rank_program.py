@@ -1,0 +1,69 @@
+"""One rank of a run, as the training loop, the planner and the bubble measurement all drive
+it: the mesh of its layout, the parallelized model, this rank's rows of each global batch and
+their microbatches, and the step's three parts (forward and backward of the microbatches, the
+optimizer, the loss averaged over the data-parallel replicas).
+
+Global batch semantics (docs/architecture.md, "Composition"): every rank draws the same
+global batch of `global_batch` sequences; its dp rank takes rows [dp·rows, (dp + 1)·rows),
+rows = global_batch / dp, split into microbatches of `micro_batch_size` sequences; context
+and sequence parallelism split the sequence later, inside the model.
+"""
+from __future__ import annotations
+
+import torch
+
+from collectives import ReduceOp
+from model import GPT
+from simulator import MemoryTracker
+
+from .data_parallel import data_parallel_group
+from .parallelize import parallelize
+
+
+class RankProgram:
+    """This rank's part of `run` on `world` (a ProcessGroup of all ranks)."""
+
+    def __init__(self, world, run, device: str, dtype=None, state_dict=None, unit_costs=None):
+        """`dtype`: the reference model's parameter dtype (default the run's); `state_dict`: the
+        reference GPT's weights to start from instead of (seed, name); `unit_costs`: fixed
+        pipeline stage costs on the simulated clock (the bubble measurement)."""
+        layout = run.layout
+        self.run, self.world = run, world
+        self.mesh = layout.mesh(world)
+        self.dp = self.mesh.group("dp")
+        self.replicas = data_parallel_group(self.mesh, layout)  # dp × cp: the loss is averaged over it
+        # model states and communication buffers are always accounted (cheap); activations
+        # only where a caller tracks them (`track`)
+        self.memory = MemoryTracker()
+        self.model = parallelize(GPT(run.model, dtype=dtype or run.param_dtype, device="meta"), self.mesh, run,
+                                 device, self.memory, unit_costs=unit_costs, state_dict=state_dict)
+        n = layout.global_batch // layout.dp
+        self.rows = slice(self.dp.rank * n, (self.dp.rank + 1) * n)  # this rank's rows of each global batch
+
+    def local(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a global batch (rows of seq_len + 1 tokens)."""
+        return batch[self.rows]
+
+    def microbatches(self, local: torch.Tensor) -> tuple:
+        """This rank's rows split into the step's microbatches."""
+        return local.split(self.run.layout.micro_batch_size)
+
+    def track(self):
+        """The context in which autograd's saved tensors are counted as activations."""
+        return self.memory.track_activations(exclude=self.model.params)
+
+    def forward_backward(self, micro, track=None) -> torch.Tensor:
+        """The step's microbatches forward and backward; this rank's share of the loss."""
+        return self.model.run_step(micro, track or self.track)
+
+    def update(self) -> None:
+        self.model.step()
+
+    def average_loss(self, total: torch.Tensor, async_op: bool = False):
+        """The loss averaged over the data-parallel replicas, in place (one small all-reduce,
+        `metrics.loss`); the Work with `async_op`."""
+        return self.replicas.all_reduce(total, op=ReduceOp.AVG, label="metrics.loss", async_op=async_op)
+
+    def memory_snapshot(self) -> dict:
+        """The memory tracker's peaks, with the model states as they are now."""
+        return self.memory.snapshot(states=MemoryTracker.measure(self.model.state_tensors()))
