@@ -5,6 +5,11 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 
+def divisors(n: int) -> list:
+    """The divisors of n, ascending (what a layout's error offers instead of a size that does not divide)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     vocab_size: int = 256

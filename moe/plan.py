@@ -32,6 +32,7 @@ from model.moe import MoE, MoEStats
 from model.placement import Placement, Shard, set_placement
 
 from .dispatch import ExpertParallelDispatch
+from .mesh_axes import expert_mesh_axes
 
 
 def expert_parameters(model) -> list:
@@ -65,13 +66,6 @@ def parallelize_experts(model, group):
             setattr(layer.experts, name, _shard(full, f"blocks.{i}.mlp.experts.{name}", start, start + local))
         layer.dispatch = ExpertParallelDispatch(group, E)
     return model
-
-
-def expert_mesh_axes(layout) -> dict:
-    """The mesh axes with dp × cp seen as (edp, ep): expert-parallel groups of ep neighbouring
-    dp × cp ranks, and the expert-data-parallel groups across them."""
-    ep = max(1, layout.ep)
-    return {"pp": layout.pp, "edp": layout.dp * layout.cp // ep, "ep": ep, "tp": layout.tp}
 
 
 @dataclass

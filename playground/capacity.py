@@ -26,6 +26,8 @@ import math
 import os
 import time
 
+from zero.rules import model_state_bytes
+
 BASE = 2**29  # bytes: the process before any rank
 PER_RANK = 2**20  # bytes of bookkeeping per rank
 STATE_FACTOR = 1.6  # what a rank's model states cost in process memory, measured (above)
@@ -48,15 +50,11 @@ def available_memory() -> int | None:
 
 def per_rank_bytes(run) -> float:
     """A rank's model states in process memory: its tp·pp share of the parameters, the
-    gradients and AdamW's two moments, ZeRO sharding by stage over the shard group
-    (dp_shard·cp: all of dp·cp without hybrid sharding), as in search.model_states_bound."""
+    gradients and AdamW's two moments in the parameters' width, ZeRO sharding them by stage
+    over its shard group (dp_shard·cp; zero.model_state_bytes, as the search's bound)."""
     layout, cfg = run.layout, run.model
-    share = cfg.n_params() / (layout.tp * layout.pp)
-    width = 8 if run.dtype == "float64" else 4
-    n = layout.dp_shard * layout.cp if layout.zero else 1
-    params = 1 / n if layout.zero >= 3 else 1
-    grads = 1 / n if layout.zero >= 2 else 1
-    states = share * width * (params + grads + 2 / n)
+    states = model_state_bytes(cfg.n_params() / (layout.tp * layout.pp), layout.zero, layout.dp_shard * layout.cp,
+                               width=8 if run.dtype == "float64" else 4)
     return STATE_FACTOR * states + PER_RANK
 
 

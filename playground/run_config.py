@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from activation_checkpointing import rules as ac_rules
 from model import GPTConfig, preset
+from moe import rules as expert_rules
+from pipeline import rules as pipeline_rules
+from zero import rules as zero_rules
 
 from .layout import Layout
 
@@ -57,18 +61,15 @@ class RunConfig:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(DTYPES)}")
         if self.reduce_dtype is not None and self.reduce_dtype not in DTYPES:
             raise ValueError(f"reduce_dtype={self.reduce_dtype!r}: choose one of {sorted(DTYPES)}")
-        if self.reduce_dtype is not None and not self.layout.zero and self.dtype != "float16":
-            raise ValueError(f"--reduce-dtype {self.reduce_dtype} applies to ZeRO's gradient reductions: add --zero 1|2|3")
-        if not self.grad_overlap and self.layout.zero >= 2:
-            raise ValueError(f"--no-grad-overlap: ZeRO-{self.layout.zero} reduces each unit's gradient as its backward "
-                             f"ends; reducing after the backward needs --zero 0 or 1")
+        layout = self.layout
+        for found in (zero_rules.run_problem(layout.zero, self.dtype, self.reduce_dtype, self.grad_overlap),
+                      expert_rules.run_problem(self.model, self.dtype),
+                      pipeline_rules.run_problem(layout.pp, self.dtype),
+                      ac_rules.run_problem(layout.ac, self.compile)):
+            if found:  # what a strategy needs of the run (its `rules` module)
+                raise ValueError(found)
         if self.bf16_copies and self.dtype != "bfloat16":
             raise ValueError(f"--bf16-copies keeps bf16 compute copies: it needs --dtype bfloat16, not {self.dtype}")
-        if self.dtype == "float16" and self.model.n_experts:
-            raise ValueError("--dtype float16 with experts: the MoE auxiliary losses are not loss-scaled; use bfloat16")
-        if self.dtype == "float16" and self.layout.pp > 1:
-            raise ValueError(f"--dtype float16 with pp={self.layout.pp}: dynamic loss scaling is not applied across "
-                             f"pipeline stages (each stage would decide to skip a step alone); use bfloat16")
         if self.save_every is not None and self.save_every < 1:
             raise ValueError(f"--save-every {self.save_every}: must be at least 1")
         if self.save_every is not None and not self.save:
@@ -81,9 +82,6 @@ class RunConfig:
         if self.compile and self.backend == "sim":
             raise ValueError("--compile runs the blocks as torch.compile's fused kernels, which the simulator cannot "
                              "count op by op: use it with --backend torch (or gloo)")
-        if self.compile and self.layout.ac == "selective":
-            raise ValueError("--compile with --ac selective: the selective policy intercepts each op of the eager "
-                             "block; use --ac full with --compile")
         if self.hardware is not None and self.backend != "sim":
             raise ValueError(f"--hardware simulates time on the sim backend; backend {self.backend!r} measures it")
 

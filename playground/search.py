@@ -60,10 +60,12 @@ from dataclasses import dataclass, field, replace
 
 from tqdm import tqdm
 
+from model.config import divisors
 from simulator import load_hardware
+from zero.rules import model_state_bytes
 
 from .fits import DEFAULT_HEADROOM, usable
-from .layout import Layout, LayoutError, divisors
+from .layout import Layout, LayoutError
 from .planning import plan
 
 
@@ -106,19 +108,12 @@ def candidates(cfg, world: int, global_batch: int, gpus_per_node: int, fixed: di
 
 
 def model_states_bound(cfg, layout: Layout) -> float:
-    """Bytes of model states per rank, a lower bound of its peak: bf16 weights and
-    gradients (2 + 2 bytes) and fp32 master weights and AdamW moments (12 bytes) per
-    parameter, each rank holding 1/(tp·pp) of the parameters, ZeRO sharding the 12 bytes
-    (stage 1) and the gradients too (2) over dp·cp (dp_shard·cp under hybrid sharding);
-    stage 3 keeps no bf16 weights (each all-gather casts the master shard: zero/zero.py)."""
-    psi = cfg.n_params() / (layout.tp * layout.pp)
-    n = layout.dp_shard * layout.cp  # (hybrid sharding shards within dp_shard only)
-    weights, grads, states = 2 * psi, 2 * psi, 12 * psi / (n if layout.zero >= 1 else 1)
-    if layout.zero >= 2:
-        grads /= n
-    if layout.zero >= 3:
-        weights = 0
-    return weights + grads + states
+    """Bytes of model states per rank, a lower bound of its peak: each rank holds 1/(tp·pp)
+    of the parameters in mixed precision (bf16 compute copies and gradients, fp32 master
+    weights and AdamW moments), ZeRO sharding them by stage over its shard group (dp_shard·cp;
+    zero.model_state_bytes)."""
+    return model_state_bytes(cfg.n_params() / (layout.tp * layout.pp), layout.zero, layout.dp_shard * layout.cp,
+                             width=4, compute_width=2)
 
 
 @dataclass

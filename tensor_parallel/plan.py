@@ -33,6 +33,7 @@ from .cross_entropy import VocabParallelCrossEntropy
 from .embedding import VocabParallelEmbedding
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mappings import copy_to_tp, enter_tp
+from .rules import problem
 
 
 def _labels(part: str, sp: bool) -> tuple[str, str]:
@@ -69,12 +70,10 @@ class SequenceParallelRMSNorm(RMSNorm):
 
 
 def check_tensor_parallel(config, tp: int, sequence_parallel: bool) -> None:
-    c = config
-    if c.n_heads % tp or c.kv_heads % tp or c.d_ff % tp:
-        raise ValueError(f"tensor parallelism: n_heads={c.n_heads}, n_kv_heads={c.kv_heads} and d_ff={c.d_ff} must "
-                         f"be divisible by tp={tp}")
-    if sequence_parallel and c.seq_len % tp:
-        raise ValueError(f"sequence parallelism: seq_len={c.seq_len} is not divisible by tp={tp}")
+    """Raise ValueError where the model does not split over `tp` (rules.problem)."""
+    found = problem(config, tp, sequence_parallel)
+    if found:
+        raise ValueError(f"tensor parallelism: {found}")
 
 
 def parallelize_tensor(model, group, sequence_parallel: bool = False):

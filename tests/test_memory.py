@@ -1,5 +1,6 @@
 """Memory accounting by category: model states exactly what the tensors
 hold, activations as autograd saves and frees them, per rank thread."""
+import pytest
 import torch
 
 from collectives import launch
@@ -94,3 +95,17 @@ def test_a_fused_region_leaves_only_its_outputs_as_temporaries():
         p = ScaledCausalSoftmax.apply(scores, 0.25)
         p.backward(torch.randn_like(p))
     assert tracker.peak_temporaries == scores.numel() * 2 and tracker.temporaries == 0
+
+
+@pytest.mark.parametrize("zero,dp,replicate", [(0, 3, 1), (1, 3, 1), (2, 3, 1), (3, 3, 1), (3, 4, 2), (1, 6, 2)])
+def test_model_states_match_the_one_formula(zero, dp, replicate):
+    """What a rank holds after a step (weights, gradients, AdamW's moments), measured on the
+    engines, is zero.model_state_bytes over the shard group: the formula the capacity
+    estimate and the search both use (up to the flat units' padding and AdamW's step counts)."""
+    from zero.rules import model_state_bytes
+    cfg = preset("tiny")
+    run = RunConfig(model=cfg, layout=Layout(dp=dp, zero=zero, dp_replicate=replicate, micro_batch_size=1),
+                    steps=1, dtype="float64", progress=False)
+    m = train(run).values[0]["memory"]
+    held = m["parameters"] + m["gradients"] + m["optimizer"]
+    assert held == pytest.approx(model_state_bytes(cfg.n_params(), zero, dp // replicate, 8), rel=2e-3)
