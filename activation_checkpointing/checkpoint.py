@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from model.dropout import generators
+from model.regions import activation_tracker
 
 from . import MODES
 from .policy import SelectivePolicy
@@ -46,17 +47,17 @@ class _CountKept(TorchDispatchMode):
     """Above the selective policy's caching mode during a checkpointed forward: gives the
     memory tracker a handle for each output the policy keeps, held by the region."""
 
-    def __init__(self, region):
+    def __init__(self, region, tracker):
         super().__init__()
-        self.region = region
+        self.region, self.tracker = region, tracker
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         region = self.region
-        if region.memory.tracking and region.policy.saves(func):
+        if region.policy.saves(func):
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
-                    region.kept.append(region.memory.hold(t))
+                    region.kept.append(self.tracker.hold(t))
         return out
 
 
@@ -64,8 +65,8 @@ class _Region:
     """One checkpointed call of a block: the function torch.utils.checkpoint runs, once in
     forward and again (recomputation) in backward."""
 
-    def __init__(self, body, modules, policy, memory, generators):
-        self.body, self.modules, self.policy, self.memory = body, modules, policy, memory
+    def __init__(self, body, modules, policy, generators):
+        self.body, self.modules, self.policy = body, modules, policy
         self.ran = False
         self.kept = []  # memory handles of the outputs the selective policy keeps
         # the dropout generators' states at the forward, for recomputation to draw the same masks
@@ -81,9 +82,10 @@ class _Region:
 
     def contexts(self):
         forward, recompute = create_selective_checkpoint_contexts(self.policy)
-        if self.memory is None:
+        tracker = activation_tracker()  # the rank's activations tracked now (model/regions.py), or None
+        if tracker is None:
             return forward, recompute
-        return _both(forward, _CountKept(self)), recompute
+        return _both(forward, _CountKept(self, tracker)), recompute
 
 
 @contextlib.contextmanager
@@ -124,10 +126,10 @@ class Recompute:
     CUDA the device's default one); their states at the forward are saved and replayed for
     the recomputation, so it draws the forward's masks (torch's own RNG saving is off)."""
 
-    def __init__(self, mode: str, block, memory=None):
+    def __init__(self, mode: str, block):
         if mode not in ("full", "selective"):
             raise ValueError(f"activation checkpointing mode must be 'full' or 'selective', not {mode!r}")
-        self.memory, self.block = memory, block
+        self.block = block
         self.policy = SelectivePolicy() if mode == "selective" else None
 
     def __call__(self, body, *args):
@@ -135,15 +137,15 @@ class Recompute:
             return body(*args)
         # (looked up per call: data parallelism, applied after this transform, marks its units)
         modules = [m for m in self.block.modules() if hasattr(m, "recomputing")]
-        region = _Region(body, modules, self.policy, self.memory, generators(self.block))
+        region = _Region(body, modules, self.policy, generators(self.block))
         context_fn = region.contexts if self.policy is not None else noop_context_fn
         return checkpoint(region, *args, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn)
 
 
-def checkpoint_blocks(model, mode: str, memory=None) -> None:
+def checkpoint_blocks(model, mode: str) -> None:
     """Checkpoint every block of `model` (a reference GPT or a pipeline stage's part) in
-    `mode` ("none" leaves it as it is); `memory`: the rank's MemoryTracker, if any."""
+    `mode` ("none" leaves it as it is)."""
     if mode not in MODES:
         raise ValueError(f"activation checkpointing must be one of {', '.join(MODES)}, not {mode!r}")
     for block in model.blocks.values():
-        block.recompute = None if mode == "none" else Recompute(mode, block, memory)
+        block.recompute = None if mode == "none" else Recompute(mode, block)

@@ -66,8 +66,8 @@ def meta_rank(world, ep):
     cfg = preset("1b-moe")
     run = RunConfig(model=cfg, layout=Layout(dp=8, ep=ep, micro_batch_size=4), dtype="bfloat16", steps=1)
     mesh = Mesh(world, pp=1, dp=8, cp=1, tp=1)
-    memory = MemoryTracker()
-    model = parallelize(GPT(cfg, dtype=torch.bfloat16, device="meta"), mesh, run, "meta", memory)
+    memory = world.instruments.memory = MemoryTracker()  # the rank's, which the strategies report to
+    model = parallelize(GPT(cfg, dtype=torch.bfloat16, device="meta"), mesh, run, "meta")
     tokens = torch.empty(4, cfg.seq_len + 1, dtype=torch.long, device="meta")
     clock = world.timing.clock
     t0 = clock.breakdown()

@@ -30,10 +30,10 @@ STEPS = 3
 
 def rank_program(world, stage, batch):
     cfg = preset("small")
-    memory = MemoryTracker()
+    memory = world.instruments.memory = MemoryTracker()  # the rank's, which the engine reports to
     model = GPT(cfg, seed=0, dtype=torch.float32)
     z = ZeroDataParallel(model, world, stage, units=list(model.blocks.values()), lr=1e-3,
-                         compute_dtype=torch.bfloat16, memory=memory)
+                         compute_dtype=torch.bfloat16)
     params = list(model.parameters())
     g = torch.Generator().manual_seed(world.rank)
     times = []

@@ -57,6 +57,7 @@ class ProcessGroup(abc.ABC):
     size: int
     ranks: tuple
     timing = None  # a time model's view of this rank (collectives.timing), on the simulated backend
+    instruments = None  # this rank's Instruments (collectives/instruments.py), shared by all its groups
 
     # -- backend hooks ---------------------------------------------------------------
     @abc.abstractmethod

@@ -39,6 +39,11 @@ class SimProcessGroup(ProcessGroup):
         tm = self._world.time_model
         return tm.rank_view(self.ranks[self.rank]) if tm is not None else None
 
+    @property
+    def instruments(self):
+        """This rank's Instruments (the same object from each of its groups)."""
+        return self._world.ranks[self.ranks[self.rank]].instruments
+
     def _record(self, call) -> None:
         ledger = self._world.ledger
         ledger.record(call.make_entry(len(ledger.per_rank[call.rank])))

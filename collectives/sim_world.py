@@ -26,6 +26,7 @@ from collections import deque
 
 from . import sim_ops
 from .errors import CollectiveMismatchError, DeadlockError, RankAbortedError
+from .instruments import Instruments
 from .ledger import Ledger
 
 
@@ -61,6 +62,7 @@ class RankState:
         self.wake = threading.Lock()
         self.wake.acquire()  # released exactly once per wait
         self.group_creations: dict = {}  # ranks tuple -> how many groups of them this rank made
+        self.instruments = Instruments()  # what every group of this rank exposes as `group.instruments`
         self.waiting_on = None  # (Slot, Call) while blocked
         self.chain = None  # ranks this one wakes in turn once it is woken (see SimWorld._complete)
         self.finished = False

@@ -39,23 +39,9 @@ class TimeModel:
         """The program of `rank` returned."""
 
     def rank_view(self, rank: int):
-        """What a rank's process groups expose as `group.timing` (None: nothing). Strategies
-        may call its `fused(io_bytes)`: a context manager around ops that a GPU runs as one
-        fused kernel reading and writing io_bytes (see `fused_kernel`), and its
-        `optimizer_step(optimizer)` around an optimizer's step (see `optimizer_kernel`)."""
+        """What a rank's process groups expose as `group.timing` (None: nothing): the rank's
+        clock and compute model, for the programs that drive them (a training step, a plan).
+        Strategies mark fused kernels through the rank's dispatch modes instead
+        (model/regions.py), never through this."""
         return None
 
-
-def fused_kernel(group, io_bytes: int):
-    """Mark the ops inside as one fused attention kernel for the time model of `group`'s rank
-    (plain matmuls written for clarity that a GPU fuses, as FlashAttention does: priced at
-    the attention rate); nothing without a time model."""
-    timing = group.timing
-    return timing.fused(io_bytes) if timing is not None else contextlib.nullcontext()
-
-
-def optimizer_kernel(group, optimizer):
-    """Mark `optimizer.step()` inside as the one fused kernel a GPU runs for it (the time
-    model's `optimizer_step`); nothing without a time model."""
-    timing = group.timing
-    return timing.optimizer_step(optimizer) if timing is not None else contextlib.nullcontext()

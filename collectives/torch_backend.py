@@ -18,6 +18,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from .instruments import Instruments
 from .ledger import Ledger
 from .process_group import ProcessGroup, Work
 from .reduce_op import ReduceOp
@@ -128,8 +129,11 @@ class TorchProcessGroup(ProcessGroup):
     _zero_copy_views = False
     timing = None  # time is measured here, not simulated
 
-    def __init__(self, pg, ranks, ledger: Ledger, origin: float, device_times: DeviceTimes | None = None):
-        """`device_times`: on CUDA, where the calls' events go (one for the whole world)."""
+    def __init__(self, pg, ranks, ledger: Ledger, origin: float, device_times: DeviceTimes | None = None,
+                 instruments: Instruments | None = None):
+        """`device_times`: on CUDA, where the calls' events go (one for the whole world);
+        `instruments`: this process's (its groups share the world's)."""
+        self.instruments = instruments if instruments is not None else Instruments()
         self._pg = pg  # torch group handle (None: the default group)
         self.ranks = tuple(ranks)
         self.rank = self.ranks.index(dist.get_rank())
@@ -248,4 +252,4 @@ class TorchProcessGroup(ProcessGroup):
         pg = dist.new_group(members)
         if dist.get_rank() not in members:
             return None
-        return TorchProcessGroup(pg, members, self._ledger, self._origin, self._times)
+        return TorchProcessGroup(pg, members, self._ledger, self._origin, self._times, self.instruments)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .fused import fused_kernel
+from .regions import fused_kernel
 
 
 class _Dropout(torch.autograd.Function):

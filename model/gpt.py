@@ -16,7 +16,7 @@ from torch import nn
 
 from .config import GPTConfig
 from .dropout import dropout, dropout_generator, seed_dropout
-from .fused import fused_kernel
+from .regions import fused_kernel
 from .init import init_weights
 from .moe import MoE
 

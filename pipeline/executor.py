@@ -26,16 +26,16 @@ syncing W then ends their reduction too (`synced()`).
 `hidden_shape(tokens)` gives the shape of the activations a stage receives for a
 microbatch of `tokens` (with sequence parallelism, the rank's slice of the sequence).
 
-`memory` (the rank's MemoryTracker): in split backward, the inputs the linear layers keep
-for W count as activations until W (weight_grad_store.py).
+Where the rank's activations are tracked, the inputs the linear layers keep for W in split
+backward count as activations until W (weight_grad_store.py).
 
 `schedule(m)` (optional) gives the rank's actions for a step of m microbatches: a step
 may then run another number of microbatches than `actions` holds (planning's first step
 runs the fewest the schedule allows: it only makes the optimizer's states).
 
-`unit_costs` (seconds per F, B, I, W of a whole stage; a chunk costs 1/v of it) replaces
-the counted compute with fixed costs on the simulated clock, to measure a schedule's
-bubble with equal stage costs.
+Each compute action is a `model.regions.pipeline_action`: where the simulator charges fixed
+costs per action (seconds per F, B, I, W of a whole stage, a chunk 1/v of it: the bubble
+measurement), they replace the counted compute on the simulated clock.
 """
 from __future__ import annotations
 
@@ -43,23 +43,24 @@ import contextlib
 
 import torch
 
+from model.regions import pipeline_action
+
 from .weight_grad_store import WeightGradStore
 
 
 class PipelineExecutor:
     def __init__(self, chunks: list, group, actions: list, hidden_shape, virtual_stages: int = 1, syncs=None,
-                 unit_costs=None, hidden_dtype=torch.float32, memory=None, schedule=None):
+                 hidden_dtype=torch.float32, schedule=None):
         self.chunks, self.group, self.actions, self.v = chunks, group, actions, virtual_stages
         self.schedule = schedule
         self.m = 1 + max(a.microbatch for a in actions)
         self.p, self.rank = group.size, group.rank
         self.hidden_shape = hidden_shape
         self.syncs = syncs
-        self.unit_costs = unit_costs
         self.hidden_dtype = hidden_dtype
         self.weight_grads = None
         if any(a.kind == "I" for a in actions):
-            self.weight_grads = WeightGradStore(memory)
+            self.weight_grads = WeightGradStore()
             for c in chunks:
                 self.weight_grads.install(c)
         self.sync_at = _last_backward(actions)
@@ -87,15 +88,8 @@ class PipelineExecutor:
     def _stage(self, chunk: int) -> int:
         return chunk * self.p + self.rank
 
-    @contextlib.contextmanager
     def _compute(self, kind: str):
-        timing = self.group.timing if self.unit_costs else None
-        if timing is None:
-            yield
-            return
-        with timing.compute_model.paused():
-            yield
-        timing.clock.advance(self.unit_costs[kind] / self.v, kind)
+        return pipeline_action(kind, self.v)
 
     def run(self, inputs: list, targets: list) -> torch.Tensor:
         """Run the step on microbatches `inputs` (token ids; targets for the last stage);

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from model.regions import activation_tracker
+
 
 class DeferredLinear(torch.autograd.Function):
     """y = x·Wᵀ (+ b); backward returns dX and leaves dW (and db) to the store's W pass.
@@ -75,13 +77,13 @@ class _Deferred(list):
 
 class WeightGradStore:
     """The weight gradients one pipeline rank has deferred: `collect()` opens a list for
-    one I pass and returns it; `apply(entries)` is the W pass. With a `memory` tracker
-    (simulator.MemoryTracker), the input X each deferred layer keeps for W counts as an
-    activation until W has run: autograd let go of it after I, the store has not."""
+    one I pass and returns it; `apply(entries)` is the W pass. Where the rank's activations
+    are tracked (model.regions.activation_tracker), the input X each deferred layer keeps for
+    W counts as an activation until W has run: autograd let go of it after I, the store has
+    not."""
 
-    def __init__(self, memory=None):
+    def __init__(self):
         self._open = None
-        self.memory = memory
 
     def install(self, module) -> int:
         """Put every linear layer (a module whose direct `weight` is a 2-D parameter that
@@ -114,9 +116,10 @@ class WeightGradStore:
         if self._open is None:
             raise RuntimeError("a deferred linear layer ran backward outside the pipeline's I pass")
         self._open.append((x, g, weight, bias))
-        if self.memory is not None and self.memory.tracking:
+        tracker = activation_tracker()
+        if tracker is not None:
             # (dY, made in backward, is already counted as a temporary while it lives)
-            self._open.held.append(self.memory.hold(x))
+            self._open.held.append(tracker.hold(x))
 
     @contextlib.contextmanager
     def collect(self):

@@ -17,7 +17,8 @@ COSTS = {"F": UNIT, "B": 2 * UNIT, "I": UNIT, "W": UNIT}
 
 
 def _rank(world, run, costs):
-    rank = RankProgram(world, run, "cpu", unit_costs=costs)
+    rank = RankProgram(world, run, "cpu")
+    world.timing.compute_model.unit_costs = costs  # each pipeline action charged its fixed cost
     cfg, layout = run.model, run.layout
     batch = MarkovSource(cfg.vocab_size, seed=run.seed).global_batch(0, layout.global_batch, cfg.seq_len)
     clock = world.timing.clock

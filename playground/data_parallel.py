@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from collectives.timing import optimizer_kernel
+from model.regions import optimizer_kernel
 from ddp import DistributedDataParallel
 from model import placement_of
 from model.optimizer import adamw, step_count
@@ -54,7 +54,7 @@ def uses_zero(run) -> bool:
     return bool(run.layout.zero) or run.dtype == "float16" or (run.dtype == "bfloat16" and run.bf16_copies)
 
 
-def data_parallel(parts, stages, groups, run, device, memory=None) -> tuple:
+def data_parallel(parts, stages, groups, run, device) -> tuple:
     """Wrap each part's parameter groups (`groups[i]`: the ParamGroups of `parts[i]`, whose
     pipeline stage is `stages[i]`); returns (syncs, optimizer, autocast, hidden_dtype): each
     part's wrappers together (`Syncs`), the run's optimizer, the autocast context of its
@@ -78,7 +78,7 @@ def data_parallel(parts, stages, groups, run, device, memory=None) -> tuple:
                                           exclude=others, grad_scale=g.scale, lr=run.lr, betas=run.betas,
                                           weight_decay=run.weight_decay, compute_dtype=torch_dtype(run.dtype),
                                           reduce_dtype=torch_dtype(run.reduce_dtype) if run.reduce_dtype else None,
-                                          memory=memory, label=name, overlap=run.grad_overlap,
+                                          label=name, overlap=run.grad_overlap,
                                           replicate=g.replicate, accumulate=layout.pp > 1))
             elif g.group.size > 1 or g.scale != 1:  # (a group of one rank has nothing to average)
                 w.append(DistributedDataParallel(part, g.group, bucket_cap_mb=bucket_mb, label=name, params=params,
@@ -145,7 +145,7 @@ class ReplicatedAdamW:
                                weight_decay=run.weight_decay)
 
     def step(self) -> None:
-        with optimizer_kernel(self.group, self.optimizer):
+        with optimizer_kernel(self.optimizer):
             self.optimizer.step()
         if not self.buckets:
             self.grad_bytes = storage_bytes(p.grad for m in self.parts for p in m.parameters())

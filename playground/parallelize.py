@@ -152,11 +152,12 @@ def compile_blocks(model, backend: str = "inductor") -> None:
         model.loss = torch.compile(model.loss, backend=backend)
 
 
-def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_dict=None) -> ParallelModel:
+def parallelize(model, mesh, run, device, state_dict=None) -> ParallelModel:
     """Apply `run.layout` to `model` (the reference GPT on the meta device) on this rank of
-    `mesh`; `memory` (a MemoryTracker) is told of communication buffers; `unit_costs`
-    charges fixed pipeline stage costs on the simulated clock (bubble measurements);
-    `state_dict` (the reference GPT's) gives the initial weights instead of (seed, name)."""
+    `mesh`; `state_dict` (the reference GPT's) gives the initial weights instead of (seed,
+    name). Nothing here is told how the rank is measured: strategies report to the rank's
+    instruments through their groups, and the simulator prices the arithmetic through the
+    rank's dispatch modes (model/regions.py)."""
     layout, cfg = run.layout, run.model
     dp, tp = data_parallel_group(mesh, layout), mesh.group("tp")
     # 1. the pipeline split
@@ -178,7 +179,7 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_di
     # 5. activation checkpointing, 6. compile
     if layout.ac != "none":
         for part in parts:
-            checkpoint_blocks(part, layout.ac, memory)
+            checkpoint_blocks(part, layout.ac)
     if run.compile:
         for part in parts:
             compile_blocks(part)
@@ -191,7 +192,7 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_di
                         else (dp, None))
     groups = [[ParamGroup(shard, replicate=replicate)] + (experts.param_groups(part) if experts else [])
               for part in parts]
-    syncs, optimizer, autocast, hidden_dtype = data_parallel(parts, stages, groups, run, device, memory)
+    syncs, optimizer, autocast, hidden_dtype = data_parallel(parts, stages, groups, run, device)
     if layout.pp > 1:
         pp = mesh.group("pp")
         split = layout.tp if layout.sequence_parallel else 1  # SP: stages pass the rank's slice of the sequence
@@ -202,8 +203,8 @@ def parallelize(model, mesh, run, device, memory=None, unit_costs=None, state_di
         def schedule(m):
             return build_schedule(layout.schedule, layout.pp, m, layout.virtual_stages)[pp.rank]
         executor = PipelineExecutor(parts, pp, schedule(layout.microbatches), hidden_shape=hidden_shape,
-                                    virtual_stages=layout.virtual_stages, syncs=syncs, unit_costs=unit_costs,
-                                    hidden_dtype=hidden_dtype, memory=memory, schedule=schedule)
+                                    virtual_stages=layout.virtual_stages, syncs=syncs,
+                                    hidden_dtype=hidden_dtype, schedule=schedule)
         runner = PipelineRunner(executor, pp, autocast)
     else:
         runner = GradientAccumulation(parts[0], syncs[0], autocast)

@@ -23,20 +23,20 @@ from .parallelize import parallelize
 class RankProgram:
     """This rank's part of `run` on `world` (a ProcessGroup of all ranks)."""
 
-    def __init__(self, world, run, device: str, dtype=None, state_dict=None, unit_costs=None):
+    def __init__(self, world, run, device: str, dtype=None, state_dict=None):
         """`dtype`: the reference model's parameter dtype (default the run's); `state_dict`: the
-        reference GPT's weights to start from instead of (seed, name); `unit_costs`: fixed
-        pipeline stage costs on the simulated clock (the bubble measurement)."""
+        reference GPT's weights to start from instead of (seed, name)."""
         layout = run.layout
         self.run, self.world = run, world
         self.mesh = layout.mesh(world)
         self.dp = self.mesh.group("dp")
         self.replicas = data_parallel_group(self.mesh, layout)  # dp × cp: the loss is averaged over it
-        # model states and communication buffers are always accounted (cheap); activations
-        # only where a caller tracks them (`track`)
-        self.memory = MemoryTracker()
+        # model states and communication buffers are always accounted (cheap: strategies report
+        # their buffers to the rank's instruments); activations only where a caller tracks them
+        # (`track`)
+        self.memory = world.instruments.memory = MemoryTracker()
         self.model = parallelize(GPT(run.model, dtype=dtype or run.param_dtype, device="meta"), self.mesh, run,
-                                 device, self.memory, unit_costs=unit_costs, state_dict=state_dict)
+                                 device, state_dict=state_dict)
         n = layout.global_batch // layout.dp
         self.rows = slice(self.dp.rank * n, (self.dp.rank + 1) * n)  # this rank's rows of each global batch
 

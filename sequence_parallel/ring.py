@@ -13,7 +13,7 @@ output and the log-sum-exp are kept in float32 (at least), and each merge rescal
 exp(lse − lse_new), never exponentiating raw scores.
 
 On a GPU each block's arithmetic is one FlashAttention call (its tiles never leave the
-chip): the simulator is told so (`collectives.timing.fused_kernel`), and charges it its
+chip): the simulator is told so (`model.regions.fused_kernel`), and charges it its
 FLOPs and its inputs and outputs, not the score matrix written for clarity here.
 
 Backward recomputes each block's probabilities from the saved log-sum-exp
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from collectives import P2POp
-from collectives.timing import fused_kernel
+from model.regions import fused_kernel
 from model.gpt import expand_kv
 
 from .balance import chunks_of
@@ -146,7 +146,8 @@ def _ring_forward(q, k, v, group, balance: str):
         works, nxt = _exchange(group, kv, "cp.ring.kv") if step < n - 1 else ([], None)
         ks, vs = kv[0].split(c, dim=2), kv[1].split(c, dim=2)
         for qi, ki, causal in _pairs(r, (r - step) % n, n, balance):
-            with fused_kernel(group, _io(qs[qi], ks[ki], vs[ki], out[qi], lse[qi])):  # one FlashAttention call
+            io = _io(qs[qi], ks[ki], vs[ki], out[qi], lse[qi])
+            with fused_kernel(io, "flash_attention", attention=True):  # one FlashAttention call
                 kb, vb = expand_kv(ks[ki], q.shape[1]), expand_kv(vs[ki], q.shape[1])  # (grouped-query attention)
                 if flash:
                     o, lse_b, aux = _flash_block(qn[qi], kb, vb, causal, scale)
@@ -205,7 +206,8 @@ class _RingAttention(torch.autograd.Function):
                     dks[ki].add_(_fold_kv(dkb.to(acc), kvh))
                     dvs[ki].add_(_fold_kv(dvb.to(acc), kvh))
                     continue
-                with fused_kernel(group, _io(qs[qi], ks[ki], vs[ki], dos[qi], lses[qi], dq[qi], dks[ki], dvs[ki])):
+                io = _io(qs[qi], ks[ki], vs[ki], dos[qi], lses[qi], dq[qi], dks[ki], dvs[ki])
+                with fused_kernel(io, "flash_attention", attention=True):
                     kb, vb = expand_kv(ks[ki], H).to(acc), expand_kv(vs[ki], H).to(acc)
                     p = torch.exp(_scores(qs[qi], kb, causal, scale) - lses[qi].unsqueeze(-1))
                     dvs[ki].add_(_fold_kv(p.transpose(-1, -2) @ dos[qi], kvh))

@@ -170,6 +170,9 @@ class ComputeModel(TorchDispatchMode):
         self.floor = hw.kernel_floor
         self.kernels = 0
         self.by_op = None  # {op name: [kernels, seconds, bytes]} when set to a dict (calibration)
+        # {"F", "B", "I", "W": seconds of a whole stage} when pipeline actions are charged fixed
+        # costs instead of their ops (the bubble measurement: playground/bubble.py)
+        self.unit_costs = None
         self.clock = clock
         self.flops = 0
         self.bytes = 0
@@ -256,6 +259,14 @@ class ComputeModel(TorchDispatchMode):
         finally:
             seconds, self._fused = self._fused[0], None
             self._kernel(name, seconds, io_bytes)
+
+    @contextlib.contextmanager
+    def pipeline_action(self, kind: str, chunks: int = 1):
+        """One pipeline action charged its fixed cost (`unit_costs[kind]` / chunks) instead of
+        its ops (model.regions.pipeline_action; the bubble measurement sets `unit_costs`)."""
+        with self.paused():
+            yield self
+        self.clock.advance(self.unit_costs[kind] / chunks, kind)
 
     def optimizer_step(self, optimizer):
         """Around `optimizer.step()`: the step as torch's fused AdamW runs it on a GPU, one

@@ -223,6 +223,11 @@ class _BackwardTemporaries(TorchDispatchMode):
         self.tracker = tracker
         self._made = None  # inside a fused region: weak references to what its ops made
 
+    @property
+    def activation_tracker(self) -> MemoryTracker:
+        """The tracker, to code that keeps activations outside autograd (model.regions)."""
+        return self.tracker
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if torch.is_grad_enabled() or func.is_view or torch._C._current_autograd_node() is None:

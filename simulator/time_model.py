@@ -24,14 +24,6 @@ class RankTiming:
     clock: RankClock
     compute_model: ComputeModel
 
-    def fused(self, io_bytes: int):
-        """Charge the ops inside as one fused attention kernel (ComputeModel.fused)."""
-        return self.compute_model.fused(io_bytes, "flash_attention", attention=True)
-
-    def optimizer_step(self, optimizer):
-        """Charge an optimizer's step as one fused kernel (ComputeModel.optimizer_step)."""
-        return self.compute_model.optimizer_step(optimizer)
-
 
 class SimulatedTime(TimeModel):
     def __init__(self, hardware: Hardware | str):

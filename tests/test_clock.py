@@ -159,18 +159,18 @@ def test_attention_runs_at_the_attention_fraction():
 
 
 def test_an_optimizer_step_is_one_fused_pass():
-    from collectives.timing import optimizer_kernel
+    from model.regions import optimizer_kernel
     from model.optimizer import adamw
 
     def fn(world, n):
         p = torch.nn.Parameter(torch.randn(n))
         opt = adamw([p])
         p.grad = torch.randn(n)
-        with optimizer_kernel(world, opt):
+        with optimizer_kernel(opt):
             opt.step()  # the moments are made here: no time counted for the first
         p[0].item()
         t0 = world.timing.clock.now
-        with optimizer_kernel(world, opt):
+        with optimizer_kernel(opt):
             opt.step()
         return world.timing.clock.now - t0
     for n in (1000, 10_000_000):
@@ -356,13 +356,13 @@ def test_the_host_runs_at_most_two_waited_calls_ahead(monkeypatch):
 def test_a_fused_attention_region_runs_at_the_attention_rate():
     """Ring attention writes its blocks as float32 matmuls inside `fused_kernel` (one
     FlashAttention call on a GPU): their FLOPs are priced at the attention rate, not FP32's."""
-    from collectives.timing import fused_kernel
+    from model.regions import fused_kernel
 
     def fn(world):
         q = torch.empty(1, 8, 1024, 64, device="meta")
         world.timing.compute_model.synchronize()
         t0 = world.timing.clock.now
-        with fused_kernel(world, 0):
+        with fused_kernel(0, "flash_attention", attention=True):
             q @ q.transpose(-1, -2)
         return world.timing.clock.now - t0
     got = launch(fn, 1, time_model=SimulatedTime(H100)).values[0]

@@ -176,7 +176,8 @@ def test_deferred_weight_gradients_equal_one_backward(monkeypatch):
 
 def test_the_inputs_kept_for_w_count_as_activations_until_w():
     """Autograd lets go of a linear layer's input after I, the store keeps it for W: with a
-    memory tracker the store counts each distinct input storage until W has run."""
+    memory tracker on (its activations tracked) the store counts each distinct input storage
+    until W has run."""
     import torch
     from model.gpt import GPT
     from pipeline.weight_grad_store import WeightGradStore
@@ -186,7 +187,7 @@ def test_the_inputs_kept_for_w_count_as_activations_until_w():
     x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
     memory = MemoryTracker()
     model = GPT(cfg, dtype=torch.float64)
-    store = WeightGradStore(memory)
+    store = WeightGradStore()
     store.install(model)
     with memory.track_activations(exclude=list(model.parameters())):
         loss = model(x, x)

@@ -107,10 +107,10 @@ CFG4 = preset("tiny", vocab_size=62, d_model=44, n_heads=2, d_ff=61, n_layers=4)
 
 
 def _states(world, stage):
-    memory = MemoryTracker()
+    memory = world.instruments.memory = MemoryTracker()  # the rank's, which the engine reports to
     model = GPT(CFG4, seed=0, dtype=torch.float32)
     z = ZeroDataParallel(model, Mesh(world, dp=world.size).group("dp"), stage, units=list(model.blocks.values()),
-                         compute_dtype=torch.bfloat16, memory=memory)
+                         compute_dtype=torch.bfloat16)
     x = torch.randint(0, CFG4.vocab_size, (2, CFG4.seq_len + 1))
     z(x[:, :-1], x[:, 1:]).backward()
     z.step()
@@ -262,11 +262,11 @@ def test_training_units_gather_the_embedding_and_the_head_only_around_their_use(
     engine's with one root unit (norm, embedding and head gathered for the whole backward,
     the head's gradient held in the root's buffer); the norm alone is left to the root."""
     def program(world, split):
-        memory = MemoryTracker()
+        memory = world.instruments.memory = MemoryTracker()
         model = GPT(CFG, seed=0, dtype=torch.float32)
         units = zero_units(model) if split else list(model.blocks.values())
         z = ZeroDataParallel(model, Mesh(world, dp=world.size).group("dp"), 3, units=units,
-                             compute_dtype=torch.bfloat16, memory=memory)
+                             compute_dtype=torch.bfloat16)
         x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len + 1))
         z(x[:, :-1], x[:, 1:]).backward()
         z.step()

@@ -75,7 +75,7 @@ import torch
 from torch import nn
 
 from collectives import ReduceOp
-from collectives.timing import optimizer_kernel
+from model.regions import optimizer_kernel
 from model.grad_hooks import GradientReady
 from model.optimizer import adamw, step_count
 from model.placement import placement_of
@@ -105,7 +105,7 @@ class ZeroDataParallel(nn.Module):
     def __init__(self, module: nn.Module, group, stage: int, units=(), exclude=(), grad_scale: float = 1.0,
                  lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, compute_dtype=None, reduce_dtype=None,
-                 loss_scaler: DynamicLossScaler | None = None, memory=None, label: str = "zero",
+                 loss_scaler: DynamicLossScaler | None = None, label: str = "zero",
                  overlap: bool = True, replicate=None, accumulate: bool = False):
         super().__init__()
         if stage not in (0, 1, 2, 3):
@@ -129,7 +129,6 @@ class ZeroDataParallel(nn.Module):
         if loss_scaler is None and self.compute_dtype == torch.float16:
             loss_scaler = DynamicLossScaler()
         self.scaler = loss_scaler
-        self.memory = memory  # a MemoryTracker: transient buffers are reported to it
         self.grad_scale = grad_scale  # multiplies the averaged gradients (expert parallelism's divisor)
         n, r = (1, 0) if stage == 0 else (group.size, group.rank)
         specs = unit_specs(module, units, exclude)
@@ -204,7 +203,7 @@ class ZeroDataParallel(nn.Module):
         for u, g in zip(self.units, grads):
             g = g.to(self.master_dtype) if g.dtype != self.master_dtype else g
             u.master.grad = g / scale if self.scaler else g
-        with optimizer_kernel(self.group, self.optimizer):
+        with optimizer_kernel(self.optimizer):
             self.optimizer.step()
         for u in self.units:
             u.master.grad = None
@@ -240,19 +239,22 @@ class ZeroDataParallel(nn.Module):
     # -- gradients ------------------------------------------------------------------------------
     def _buffer(self, nbytes: int, made=None) -> None:
         """Count nbytes (< 0: free them) as communication buffers; `made`: the tensor, made in
-        backward, that the memory tracker must then not count as a temporary too."""
-        if self.memory is not None:
+        backward, that the memory tracker must then not count as a temporary too. The tracker
+        is the rank's, as its groups give it (`group.instruments`: collectives/instruments.py)."""
+        memory = self.group.instruments.memory
+        if memory is not None:
             if made is not None:
-                self.memory.claim(made)
-            self.memory.buffer(nbytes)
+                memory.claim(made)
+            memory.buffer(nbytes)
 
     def _step_gradients(self, nbytes: int, made=None) -> None:
         """Count nbytes (< 0: free them) as gradients that live until the optimizer step
         (stages 2-3's shards); `made`: as in `_buffer`."""
-        if self.memory is not None:
+        memory = self.group.instruments.memory
+        if memory is not None:
             if made is not None:
-                self.memory.claim(made)
-            self.memory.gradients(nbytes)
+                memory.claim(made)
+            memory.gradients(nbytes)
 
     def _grad_arrived(self, p) -> None:
         """Move p's gradient into its unit's flat gradient buffer."""

@@ -1,0 +1,67 @@
+"""Regions of code marked for the simulator: ops that a GPU runs as one kernel, which the
+CPU and meta ranks run op by op, priced and counted as that one kernel (`fused_kernel`,
+`optimizer_kernel`: the compute model, simulator/compute_model.py; the memory tracker,
+simulator/memory.py); a pipeline stage's compute action (`pipeline_action`, which a bubble
+measurement charges a fixed cost); and the tracker counting activations now
+(`activation_tracker`).
+
+This is the simulator's one channel into the model and the strategies' arithmetic: the
+rank's dispatch modes (each rank's program runs under its own, thread by thread), found on
+the current mode stack where they are on. Code that marks a region sees nothing of them in
+its constructor and runs unchanged where none is on (a GPU, the torch backend). What a
+strategy allocates outside the model's tensors is told to `group.instruments` instead
+(collectives/instruments.py)."""
+from __future__ import annotations
+
+import contextlib
+
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+
+@contextlib.contextmanager
+def fused_kernel(io_bytes: int, name: str, attention: bool = False):
+    """The ops inside as one kernel moving io_bytes, for the simulator's dispatch modes when
+    they are on (each mode with `fused`: the compute model prices the region as one kernel,
+    simulator/compute_model.py; the memory tracker counts only what the region leaves,
+    simulator/memory.py); else nothing. `attention`: a FlashAttention call (ring attention's
+    blocks), priced at the attention rate whatever dtype its matmuls are written in."""
+    with contextlib.ExitStack() as stack:
+        for mode in reversed(_get_current_dispatch_mode_stack()):
+            if hasattr(mode, "fused"):
+                stack.enter_context(mode.fused(io_bytes, name, attention=attention))
+        yield
+
+
+@contextlib.contextmanager
+def optimizer_kernel(optimizer):
+    """`optimizer.step()` inside as the one fused kernel a GPU runs for it (torch's fused
+    AdamW: each mode with `optimizer_step`, the compute model); else nothing."""
+    with contextlib.ExitStack() as stack:
+        for mode in reversed(_get_current_dispatch_mode_stack()):
+            if hasattr(mode, "optimizer_step"):
+                stack.enter_context(mode.optimizer_step(optimizer))
+        yield
+
+
+def activation_tracker():
+    """The memory tracker counting this rank's activations now (its mode on the stack, while
+    `MemoryTracker.track_activations` is on), or None: what activation checkpointing tells of
+    the outputs its selective policy keeps outside autograd."""
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        tracker = getattr(mode, "activation_tracker", None)
+        if tracker is not None:
+            return tracker
+    return None
+
+
+@contextlib.contextmanager
+def pipeline_action(kind: str, chunks: int = 1):
+    """One compute action of a pipeline schedule (F, B, I or W of one chunk, of `chunks` per
+    rank): where a mode charges actions fixed costs (the compute model with `unit_costs`, the
+    bubble measurement), the ops inside are not counted and the action's cost is charged."""
+    with contextlib.ExitStack() as stack:
+        for mode in reversed(_get_current_dispatch_mode_stack()):
+            if getattr(mode, "unit_costs", None) is not None:
+                stack.enter_context(mode.pipeline_action(kind, chunks))
+                break
+        yield
