@@ -14,7 +14,6 @@ planned tokens/s and peak, the step's and the peak's planned-over-measured error
 planned activations. Writes JSON.
 """
 import argparse
-import glob
 import json
 import os
 import re
@@ -23,6 +22,7 @@ import sys
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from benchmarks._common import default_json, median, print_table, write_json  # noqa: E402
+from benchmarks.gpu_runs import read  # noqa: E402
 from model import preset  # noqa: E402
 from playground import Layout, RunConfig  # noqa: E402
 from playground.planning import plan  # noqa: E402
@@ -42,13 +42,14 @@ def parse(log: str) -> tuple:
     return (m["ac"], int(m["mbs"]), 1) if m["ac"] else (m["ac2"], int(m["mbs2"]), 2)
 
 
-def row(log: str, hardware: str) -> dict:
+def row(log: str, files: dict, hardware: str) -> dict:
+    """The run whose log is `log` (a name among its run's `files`: {name: text})."""
     ac, mbs, ranks = parse(log)
     path = log[:-4] + ".json"
     cfg = preset("1b")
     measured = None
-    if os.path.exists(path):
-        m = json.load(open(path))
+    if path in files:
+        m = json.loads(files[path])
         tokens = m["throughput"]["tokens_per_s"]
         measured = {"tokens_per_s": tokens, "step_s": median(m["throughput"]["step_times_s"][1:]),
                     "mfu": cfg.mfu(tokens, ranks, load_hardware(hardware).peak_bf16_flops),
@@ -56,7 +57,7 @@ def row(log: str, hardware: str) -> dict:
     p = plan(RunConfig(model=cfg, layout=Layout(dp=ranks, micro_batch_size=mbs, ac=ac), dtype="bfloat16",
                        hardware=hardware, progress=False))
     mem = max((v["memory"] for v in p.values), key=lambda v: v["peak_total"])
-    text = open(log).read()
+    text = files[log]
     return {"ac": ac, "micro_batch_size": mbs, "ranks": ranks, "measured": measured,
             "out_of_memory": measured is None and ("OutOfMemoryError" in text or "'out of memory'" in text),
             "memory_compared": ranks == 1,  # (the 2-GPU runs ran under autocast: see the docstring)
@@ -70,9 +71,10 @@ def main() -> None:
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--json", default=default_json("ac_gpu"))
     a = ap.parse_args()
-    logs = sorted((f for d in a.measured for f in glob.glob(os.path.join(d, "*.log")) if RUN.search(f)),
-                  key=lambda f: (MODES.index(parse(f)[0]), parse(f)[1]))
-    rows = [row(f, a.hardware) for f in logs]
+    runs = [dict(read(d)) for d in a.measured]
+    logs = sorted(((f, files) for files in runs for f in files if f.endswith(".log") and RUN.search(f)),
+                  key=lambda x: (MODES.index(parse(x[0])[0]), parse(x[0])[1]))
+    rows = [row(f, files, a.hardware) for f, files in logs]
     gib = 2 ** 30
 
     def error(planned, measured):

@@ -34,14 +34,13 @@ The measured runs without ZeRO use `--bf16-copies` (bf16 compute copies with fp3
 weights), the mixed precision a plan prices; with ZeRO that is ZeRO's own.
 """
 import argparse
-import glob
-import json
 import os
 import sys
 
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from benchmarks._common import default_json, median, print_table, write_json  # noqa: E402
+from benchmarks.gpu_runs import train_jsons  # noqa: E402
 from collectives.ledger import human_bytes  # noqa: E402
 from model import GPTConfig  # noqa: E402
 from playground import Layout, RunConfig  # noqa: E402
@@ -58,17 +57,16 @@ SUPERSEDED = {
 }
 
 
-def measured_run(path: str) -> RunConfig:
+def measured_run(m: dict) -> RunConfig:
     """The RunConfig of a train JSON: its model, layout and dtype."""
-    m = json.load(open(path))
     model = GPTConfig(**{k: v for k, v in m["model"].items() if k != "n_params"})
     layout = Layout(**{k: v for k, v in m["layout"].items() if k not in ("world", "global_batch")})
     return RunConfig(model=model, layout=layout, dtype=m["run"]["dtype"], progress=False)
 
 
-def compare(path: str, hardware: str) -> dict:
-    m = json.load(open(path))
-    run = measured_run(path)
+def compare(name: str, folder: str, m: dict, hardware: str) -> dict:
+    """Plan the train JSON `m` (`name`, measured in the run `folder`) on `hardware`."""
+    run = measured_run(m)
     measured = median(m["throughput"]["step_times_s"][1:])
     p = plan(RunConfig(**{**run.__dict__, "hardware": hardware}))
     slowest = max(p.values, key=lambda v: v["step"]["time"])["step"]
@@ -76,7 +74,7 @@ def compare(path: str, hardware: str) -> dict:
     host_own = median([t - b for t, b in zip(m["throughput"]["step_times_s"][1:], blocked[1:])]) if blocked else None
     cuda_peak = max(r.get("cuda_peak_allocated", 0) for r in m["memory"])
     planned_peak = p.peak
-    return {"layout": os.path.basename(path)[:-5], "measured_in": os.path.basename(os.path.dirname(path)),
+    return {"layout": name, "measured_in": os.path.basename(os.path.normpath(folder)),
             "describe": run.layout.describe(), "measured_step_s": measured,
             "planned_step_s": p.step_s, "step_error": p.step_s / measured - 1, "planned": slowest,
             "measured_host_own_s": host_own,
@@ -91,10 +89,10 @@ def main() -> None:
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--json", default=default_json("fidelity"))
     a = ap.parse_args()
-    runs = {os.path.basename(f): f for d in a.measured for f in sorted(glob.glob(os.path.join(d, "*.json")))
-            if "layout" in json.load(open(f)) and not os.path.basename(f).startswith(("pg_", "old_"))}  # (side-by-side runs)
-    stale = {k: runs.pop(k) for k in sorted(runs) if k[:-5] in SUPERSEDED}
-    rows = [compare(runs[k], a.hardware) for k in sorted(runs)]
+    runs = {name: (d, m) for d in a.measured for name, m in train_jsons(d)
+            if not name.startswith(("pg_", "old_"))}  # (side-by-side runs)
+    stale = {k: runs.pop(k) for k in sorted(runs) if k in SUPERSEDED}
+    rows = [compare(k, *runs[k], a.hardware) for k in sorted(runs)]
     if not rows:
         sys.exit(f"fidelity: no train JSON in {a.measured}")
     within = sum(abs(r["step_error"]) <= 0.10 for r in rows), sum(
@@ -111,11 +109,11 @@ def main() -> None:
                   f"{r['planned']['issuing'] * 1e3:.1f} ms",
                   human_bytes(r["measured_cuda_peak"]), human_bytes(r["planned_peak"]),
                   f"{r['memory_error']:+.0%}" if r["memory_error"] is not None else "-"] for r in rows])
-    for k, path in stale.items():
-        print(f"not compared: {k[:-5]} ({os.path.basename(os.path.dirname(path))}): {SUPERSEDED[k[:-5]]}")
+    for k, (folder, _) in stale.items():
+        print(f"not compared: {k} ({os.path.basename(os.path.normpath(folder))}): {SUPERSEDED[k]}")
     write_json(a.json, {"benchmark": "fidelity", "hardware": a.hardware, "measured_from": [os.path.relpath(d) for d in a.measured],
                         "within_10pct": {"step": within[0], "memory": within[1], "rows": len(rows)}, "rows": rows,
-                        "superseded": {k[:-5]: SUPERSEDED[k[:-5]] for k in stale}})
+                        "superseded": {k: SUPERSEDED[k] for k in stale}})
 
 
 if __name__ == "__main__":

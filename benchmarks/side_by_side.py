@@ -18,6 +18,7 @@ import sys
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from benchmarks._common import default_json, print_table, write_json  # noqa: E402
+from benchmarks.gpu_runs import read  # noqa: E402
 from model import GPTConfig  # noqa: E402
 from simulator import load_hardware  # noqa: E402
 
@@ -25,8 +26,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "g
 PEER = {"ddp": "ddp", "fsdp2": "zero3", "single": "single"}
 
 
-def playground_side(path: str, hardware: str) -> dict:
-    m = json.load(open(path))
+def playground_side(m: dict, hardware: str) -> dict:
     cfg = GPTConfig(**{k: v for k, v in m["model"].items() if k != "n_params"})
     tokens, world = m["throughput"]["tokens_per_s"], m["layout"]["world"]
     strategy = (f"zero{m['layout']['zero']}" if m["layout"]["zero"] else "ddp" if world > 1 else "single") + \
@@ -38,18 +38,21 @@ def playground_side(path: str, hardware: str) -> dict:
 def pairs(folders, hardware: str) -> list:
     rows = []
     for folder in folders:
-        for path in sorted(glob.glob(os.path.join(folder, "torch_*.json"))):
-            t = json.load(open(path))
-            name = os.path.basename(path)[len("torch_"):-len(".json")]
-            mine = os.path.join(folder, "pg_" + name.replace(t["mode"], PEER[t["mode"]], 1) + ".json")
-            if not os.path.exists(mine):
+        files = {name: json.loads(text) for name, text in read(folder, "*.json")
+                 if name.startswith(("torch_", "pg_", "old_"))}
+        for name, t in files.items():
+            if not name.startswith("torch_"):
                 continue
-            p = playground_side(mine, hardware)
-            old = mine.replace(os.sep + "pg_", os.sep + "old_")
-            rows.append({"run": os.path.basename(folder), "pair": name, "model": t["model"], "mbs": t["mbs"],
-                         "ac": t["ac"], "world": t["world"], "torch": t, "playground": p,
+            pair = name[len("torch_"):-len(".json")]
+            mine = "pg_" + pair.replace(t["mode"], PEER[t["mode"]], 1) + ".json"
+            if mine not in files:
+                continue
+            p = playground_side(files[mine], hardware)
+            old = files.get("old_" + mine[len("pg_"):])
+            rows.append({"run": os.path.basename(os.path.normpath(folder)), "pair": pair, "model": t["model"],
+                         "mbs": t["mbs"], "ac": t["ac"], "world": t["world"], "torch": t, "playground": p,
                          "ratio": p["tokens_per_s"] / t["tokens_per_s"],
-                         "earlier_tree": playground_side(old, hardware) if os.path.exists(old) else None})
+                         "earlier_tree": playground_side(old, hardware) if old is not None else None})
     return rows
 
 

@@ -7,7 +7,7 @@ events recorded on the current stream when it is issued and when it is waited, t
 into seconds after the run (`DeviceTimes.resolve`); so the host may run ahead of the
 device, by at most `max_in_flight` waited calls whose transfers have not finished: each
 holds its buffers until NCCL is done with them, and an unbounded run-ahead grew memory up
-to 4× (benchmarks/results/gpu/events_experiment.md)."""
+to 4× (benchmarks/results/gpu/run0_first/summary.md)."""
 from __future__ import annotations
 
 import collections

@@ -1,0 +1,49 @@
+"""The committed GPU runs are read from their archives as they were from the loose files."""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import gpu_runs  # noqa: E402
+
+TRAIN = {"schema": "playground.train/1", "model": {"n_params": 4e8, "d_model": 1024},
+         "layout": {"dp": 2, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": 3, "micro_batch_size": 8, "ac": "none"},
+         "run": {"dtype": "bfloat16", "bf16_copies": False},
+         "throughput": {"tokens_per_s": 123456.0, "step_times_s": [1.0, 0.1, 0.2, 0.3]},
+         "memory": [{"cuda_peak_allocated": 2 * 2**30}, {"cuda_peak_allocated": 3 * 2**30}]}
+
+
+def _run(folder):
+    os.makedirs(folder)
+    for name, text in (("350m_zero3.json", json.dumps(TRAIN)), ("350m_zero3.log", "step 1 ...\n"),
+                       ("calls.txt", "One call on two H200s: ZeRO-3 against FSDP2.\n"), ("gpus.txt", "NVIDIA H200\n")):
+        with open(os.path.join(folder, name), "w") as f:
+            f.write(text)
+
+
+def test_a_packed_run_reads_as_it_did_and_packs_to_the_same_bytes(tmp_path):
+    folder = str(tmp_path / "run99_test")
+    _run(folder)
+    loose = gpu_runs.read(folder)
+    gpu_runs.pack(folder)
+    assert sorted(os.listdir(folder)) == ["files.tar.xz", "summary.md"]
+    assert gpu_runs.read(folder) == loose
+    assert gpu_runs.train_jsons(folder) == [("350m_zero3", TRAIN)]
+    text = open(os.path.join(folder, "summary.md")).read()
+    # the run's own note, its GPU and its figures: tokens/s, the median of the steps after the
+    # first, the largest CUDA peak
+    for figure in ("ZeRO-3 against FSDP2", "NVIDIA H200", "123,456", "200.0 ms", "3.00 GiB", "dp 2, zero 3"):
+        assert figure in text
+    before = open(os.path.join(folder, "files.tar.xz"), "rb").read()
+    gpu_runs.pack(folder)  # again: nothing loose to add, the same bytes
+    assert open(os.path.join(folder, "files.tar.xz"), "rb").read() == before
+
+
+def test_every_committed_run_has_its_summary_and_its_files():
+    gpu = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results", "gpu")
+    runs = sorted(d for d in os.listdir(gpu) if d.startswith("run"))
+    assert runs
+    for d in runs:
+        assert sorted(os.listdir(os.path.join(gpu, d))) == ["files.tar.xz", "summary.md"], d
+        assert gpu_runs.read(os.path.join(gpu, d)), d
