@@ -17,9 +17,10 @@ full; and, where dp spans nodes, hybrid sharding (ZeRO within the dp ranks of on
 of 2, 4, ... nodes, the shards replicated across the rest) beside ZeRO over all of dp. Axes the caller fixes (`fixed`)
 are not searched.
 
-Each candidate is first held to `Layout.validate` and to a lower bound of its memory (the
-model states alone: bf16 weights and gradients, fp32 master weights and moments, split by
-tp·pp and sharded by ZeRO over dp·cp); the survivors are estimated (`estimate`), and one
+Each candidate is first held to `Layout.validate` (each strategy's rules) and to a lower
+bound of its memory (the model states alone: bf16 weights and gradients, fp32 master
+weights and moments, split by tp·pp and sharded by ZeRO over its shard group: the one
+formula of zero.model_state_bytes); the survivors are estimated (`estimate`), and one
 whose peak exceeds the profile's HBM less the allocator's headroom (playground/fits.py: 12%
 by default) is rejected with its peak. Checkpointing modes are
 tried in the order none, selective, full, and a layout that fits with one is not tried
