@@ -58,7 +58,7 @@ def _gloo_rank(rank, world, steps, store, outdir):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from model import GPT, preset
-    from model.data import MarkovSource
+    from playground.data import MarkovSource
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     cfg = preset("small")

@@ -1,6 +1,9 @@
-"""The reference transformer, its configs and presets, initialisation, data sources, and
-the two things every strategy shares about it: where a local tensor sits in it
-(`placement`) and when gradients are ready during backward (`grad_hooks`).
+"""The reference transformer, its configs and presets, initialisation, and the three things
+every strategy shares about it, which live here because strategies never import one another
+and this is the one package below them all: where a local tensor sits in it (`placement`),
+when gradients are ready during backward (`grad_hooks`, DDP's and ZeRO's), and the regions
+of its arithmetic the simulator prices as one kernel (`regions`). Data sources are the
+training loop's (playground/data.py); AdamW is ZeRO's (zero/optimizer.py).
 
 Names are loaded on first use (PEP 562), so that `playground --help` reads the presets
 without importing torch."""

@@ -6,9 +6,9 @@ returns each rank's peak activation memory, measured as autograd saves tensors."
 from __future__ import annotations
 
 from collectives import launch
-from model.data import MarkovSource
 from simulator import SimulatedTime
 
+from .data import MarkovSource
 from .rank_program import RankProgram
 from .run_config import RunConfig
 

@@ -30,7 +30,7 @@ import torch
 from model.regions import optimizer_kernel
 from ddp import DistributedDataParallel
 from model import placement_of
-from model.optimizer import adamw, step_count
+from zero.optimizer import adamw, step_count
 from simulator.memory import storage_bytes
 from zero import ZeroDataParallel
 

@@ -31,11 +31,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from model import GPT, assemble
-from model.data import make_source
 from model.moe import MoEStats, Replay, TokenGroups
-from model.optimizer import step_count
 from sequence_parallel.balance import positions
+from zero.optimizer import step_count
 
+from .data import make_source
 from .run_config import RunConfig
 from .tolerance import UNIT_ROUNDOFF, step_bounds, tolerances
 from .training import train

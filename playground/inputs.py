@@ -258,7 +258,7 @@ def run_config(args, typed: set):
 def check_files(args, run) -> None:
     """The second pass, which reads files with NumPy and torch: the data source, the
     checkpoint to resume from or to save over, the state_dict to start from."""
-    from model.data import make_source
+    from .data import make_source
     if args.verb != "plan":
         make_source(run.data, run.model.vocab_size, run.seed, run.model.seq_len)  # a bad data file fails here
     from .checkpoint import CheckpointError, has_checkpoint, read_index, resume_point

@@ -19,11 +19,11 @@ import torch
 from tqdm import tqdm
 
 from collectives import launch
-from simulator import SimulatedTime
-from model.data import make_source
 from model.dropout import seed_dropout
+from simulator import SimulatedTime
 
 from . import checkpoint
+from .data import make_source
 from .rank_program import RankProgram
 from .run_config import RunConfig
 

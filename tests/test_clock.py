@@ -160,7 +160,7 @@ def test_attention_runs_at_the_attention_fraction():
 
 def test_an_optimizer_step_is_one_fused_pass():
     from model.regions import optimizer_kernel
-    from model.optimizer import adamw
+    from zero.optimizer import adamw
 
     def fn(world, n):
         p = torch.nn.Parameter(torch.randn(n))

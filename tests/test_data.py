@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from model.data import DataError, MarkovSource, TextSource, TokenFileSource, make_source
+from playground.data import DataError, MarkovSource, TextSource, TokenFileSource, make_source
 
 
 def test_markov_floor_is_the_chain_own_cross_entropy():

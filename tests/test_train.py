@@ -42,7 +42,7 @@ def test_prefetch_worker_gives_each_step_its_rows_in_order():
     stops the worker."""
     import multiprocessing
 
-    from model.data import MarkovSource
+    from playground.data import MarkovSource
     from playground.training import Prefetch
     source = MarkovSource(64, seed=4)
     rows = slice(2, 5)

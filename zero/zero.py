@@ -77,7 +77,7 @@ from torch import nn
 from collectives import ReduceOp
 from model.regions import optimizer_kernel
 from model.grad_hooks import GradientReady
-from model.optimizer import adamw, step_count
+from .optimizer import adamw, step_count
 from model.placement import placement_of
 
 from .flat_unit import FlatUnit
