@@ -62,12 +62,16 @@ class Routing:
 
 @dataclass
 class MoEStats:
-    """What one layer recorded in a step, for the report (summed over its calls)."""
+    """What one layer recorded in a step, for the report (summed over its calls). While the
+    step runs the calls' values stay where they are, on the layer's device (`calls`: reading
+    them would stop the host until the device is idle, and summing them would launch kernels
+    at every call); `resolved()` sums them and reads them once, as Python numbers."""
     aux: float = 0.0
     z: float = 0.0
-    routed: list = field(default_factory=list)  # per expert, this rank's pre-drop assignments
+    routed: list | None = None  # per expert, this rank's pre-drop assignments
     assignments: int = 0
     dropped: int = 0
+    calls: list = field(default_factory=list)  # (aux, z, routed (E,) or None, dropped) of each call
     # a layout's rank with `record` set: (probs, Decision) of each call, in microbatch order
     decisions: list = field(default_factory=list)
     # the check's reference (`Replay`): groups whose own decision differed from the layout's by a
@@ -75,6 +79,43 @@ class MoEStats:
     ties: int = 0
     tied: int = 0
     mismatches: list = field(default_factory=list)
+
+    def resolved(self) -> "MoEStats":
+        """The record with its calls summed and read (one copy from the device for them all;
+        zeros on the meta device, which has no values)."""
+        if not self.calls:
+            return self
+        tensors = [x for call in self.calls for x in call[:3] if isinstance(x, torch.Tensor)]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        routed = [r for _, _, r, _ in self.calls if r is not None]
+        E = routed[0].numel() if routed else 0
+
+        def column(values):
+            return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
+        sums = torch.cat([column([a for a, _, _, _ in self.calls]).sum().reshape(1),
+                          column([z for _, z, _, _ in self.calls]).sum().reshape(1),
+                          torch.stack(routed).to(device, torch.float64).sum(0) if routed
+                          else torch.zeros(0, dtype=torch.float64, device=device)])
+        values = [0.0] * sums.numel() if device.type == "meta" else sums.cpu().tolist()
+        aux, z, *per_expert = values
+        per_expert = [int(n) for n in per_expert] if E else []
+        prior = self.routed or [0] * len(per_expert)
+        return MoEStats(self.aux + aux, self.z + z, [a + b for a, b in zip(prior, per_expert)] or self.routed,
+                        self.assignments + sum(per_expert), self.dropped + sum(d for *_, d in self.calls),
+                        [], self.decisions, self.ties, self.tied, self.mismatches)
+
+    def loss(self, device) -> torch.Tensor:
+        """The step's auxiliary and z losses, summed on `device` without reading them."""
+        values = [v for a, z, _, _ in self.calls for v in (a, z)]
+        tensors = [v.reshape(()) for v in values if isinstance(v, torch.Tensor)]
+        total = torch.stack(tensors).to(device, torch.float64).sum() if tensors \
+            else torch.zeros((), dtype=torch.float64, device=device)
+        return total + sum(v for v in values if not isinstance(v, torch.Tensor))
+
+    def as_dict(self) -> dict:
+        out = dict(vars(self.resolved()))
+        del out["calls"]
+        return out
 
 
 @dataclass
@@ -104,9 +145,30 @@ class _AddAuxLoss(torch.autograd.Function):
         return grad, torch.ones(ctx.shape, dtype=grad.dtype, device=grad.device)
 
 
+def _compute_dtype(x):
+    """The dtype the experts' matmuls run in: autocast's where it is on (CUDA, CPU), else x's."""
+    kind = x.device.type
+    if kind in ("cuda", "cpu") and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+def grouped_mm_applies(x, weight) -> bool:
+    """Whether `torch._grouped_mm` runs the experts: bf16 on a CUDA device of compute
+    capability 9.0 or more (its kernels' condition), in torch versions that have it; and bf16
+    on the meta device, where a plan prices what such a GPU runs."""
+    if not (hasattr(torch, "_grouped_mm") and _compute_dtype(x) == torch.bfloat16 and weight.dim() == 3):
+        return False
+    return x.is_meta or (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
 class Experts(nn.Module):
     """E SwiGLU experts with stacked weights; called on tokens sorted expert-major with the
-    count of each expert's tokens."""
+    count of each expert's tokens. Where the device and dtype allow, each of the three
+    weights is one grouped GEMM over all experts (`torch._grouped_mm`: the experts' token
+    ranges given by the counts' running sum, read on the device, so the host waits for
+    nothing); elsewhere (the CPU, float32 and float64) a loop over the experts, whose
+    arithmetic the one-device reference repeats exactly."""
 
     def __init__(self, n: int, d: int, f: int):
         super().__init__()
@@ -115,12 +177,26 @@ class Experts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(n, d, f))
 
     def forward(self, x, counts):
+        """x (N, d) sorted expert-major; counts (E,): a tensor on x's device, or a list."""
+        if grouped_mm_applies(x, self.w_gate):
+            return self._grouped(x, counts)
+        counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
         out, start = [], 0
         for e, n in enumerate(counts):
             xe = x[start:start + n]
             out.append(F.linear(F.silu(F.linear(xe, self.w_gate[e])) * F.linear(xe, self.w_up[e]), self.w_down[e]))
             start += n
         return torch.cat(out) if out else x[:0]
+
+    def _grouped(self, x, counts):
+        counts = torch.as_tensor(counts, device=x.device)
+        ends = torch.cumsum(counts, 0, dtype=torch.int32)
+        dtype = torch.bfloat16
+        x = x.to(dtype)
+
+        def gmm(a, w):  # a (N, in) @ each expert's w (out, in)ᵀ, over its rows
+            return torch._grouped_mm(a, w.to(dtype).transpose(-2, -1), offs=ends)
+        return gmm(F.silu(gmm(x, self.w_gate)) * gmm(x, self.w_up), self.w_down)
 
 
 def capacity(c, tokens: int) -> int | None:
@@ -170,13 +246,14 @@ def choose(probs, c) -> Decision:
     top, expert = probs.topk(k, dim=-1)  # (T, k)
     e, p = expert.reshape(-1), top.reshape(-1)  # assignment a = t·k + j
     choice = torch.arange(k, device=probs.device).repeat(T)
-    order = torch.arange(T * k, device=probs.device)
-    for key in (-p, choice, e):  # stable sorts, least significant key first
-        order = order[torch.sort(key[order], stable=True).indices]
+    # stable sorts, least significant key first: probability (high first; ties keep the
+    # position), then expert and choice together (one integer key, e·k + choice)
+    order = torch.sort(-p, stable=True).indices
+    order = order[torch.sort((e * k + choice)[order], stable=True).indices]
     cap = capacity(c, T)
     if cap is None:
         return Decision(expert, order)
-    routed = torch.bincount(e, minlength=E)
+    routed = _count(e, E)
     starts = torch.cumsum(routed, 0) - routed
     rank = torch.arange(T * k, device=probs.device) - starts[e[order]]
     return Decision(expert, order[rank < cap])
@@ -190,8 +267,13 @@ def routing(probs, decision: Decision, c) -> Routing:
     top = probs.gather(1, decision.experts)
     gates = top / top.sum(dim=-1, keepdim=True) if c.renormalizes else top
     e, kept = decision.experts.reshape(-1), decision.kept
-    return Routing(kept // k, gates.reshape(-1)[kept], torch.bincount(e[kept], minlength=E),
-                   torch.bincount(e, minlength=E), T * k - kept.numel())
+    return Routing(kept // k, gates.reshape(-1)[kept], _count(e[kept], E), _count(e, E), T * k - kept.numel())
+
+
+def _count(experts, E: int) -> torch.Tensor:
+    """How many of `experts` (expert ids) are each of the E experts: bincount's result, made
+    by a scatter, since torch.bincount on a GPU reads its input's largest value on the host."""
+    return torch.zeros(E, dtype=torch.long, device=experts.device).index_add_(0, experts, torch.ones_like(experts))
 
 
 def router_probs(logits):
@@ -207,11 +289,9 @@ def route(logits, c) -> tuple:
     return probs, routing(probs, choose(probs, c), c)
 
 
-def _value(x) -> float:
-    """A recorded loss as a float (0 on the meta device, which has no values)."""
-    if not isinstance(x, torch.Tensor):
-        return float(x)
-    return 0.0 if x.is_meta else float(x.detach())
+def _detached(x):
+    """A recorded loss: a float, or a detached 0-d tensor kept on its device."""
+    return x.detach() if isinstance(x, torch.Tensor) else float(x)
 
 
 class MoE(nn.Module):
@@ -235,7 +315,7 @@ class MoE(nn.Module):
     def _apply_experts(self, x, counts):
         if self.dispatch is not None:
             return self.dispatch(x, counts, self.experts)
-        return self.experts(x, counts.tolist())
+        return self.experts(x, counts)
 
     def _group(self, x, routing: Routing):
         """The experts' outputs combined for the group's tokens x (T, d)."""
@@ -287,15 +367,10 @@ class MoE(nn.Module):
         return aux, z
 
     def _record(self, aux, z, routed, dropped) -> None:
-        if self.recomputing:
-            return
-        s = self.stats
-        s.aux += _value(aux)
-        s.z += _value(z)
-        r = routed.tolist()
-        s.routed = [a + b for a, b in zip(s.routed, r)] if s.routed else r
-        s.assignments += int(routed.sum())
-        s.dropped += dropped
+        """Keep a call's losses and counts for the step's record (MoEStats: summed when read,
+        so a call launches no kernel for it)."""
+        if not self.recomputing:
+            self.stats.calls.append((_detached(aux), _detached(z), routed, dropped))
 
     def forward(self, x):
         """x (batch, seq, d) -> (batch, seq, d)."""
@@ -340,6 +415,5 @@ class MoE(nn.Module):
             out[rows.unsqueeze(1), torch.tensor(seq, device=x.device).unsqueeze(0)] = y
             self._record(0, 0, r.routed, r.dropped)
         if not self.recomputing:
-            self.stats.aux += _value(aux_total)
-            self.stats.z += _value(z_total)
+            self.stats.calls.append((_detached(aux_total), _detached(z_total), None, 0))
         return _AddAuxLoss.apply(out, aux_total + z_total)

@@ -59,7 +59,8 @@ class ExpertParallelDispatch:
         send = counts.reshape(ep, local)  # per destination rank, per its expert
         recv = torch.empty_like(send)
         self.group.all_to_all(recv, send.contiguous(), label="moe.counts")
-        send_c, recv_c = send.tolist(), recv.tolist()  # (the host needs the sizes, as every dispatcher does)
+        # the host needs the sizes, as every dispatcher does: one copy of both, the layer's one wait
+        send_c, recv_c = torch.stack([send, recv]).tolist()
         in_splits, out_splits = [sum(r) for r in send_c], [sum(r) for r in recv_c]
         got = all_to_all(x, self.group, out_splits, in_splits, "moe.dispatch")
         # source-major -> expert-major for the local experts

@@ -96,8 +96,10 @@ class AuxLosses:
                 layer.aux_scale, layer.stats = 1.0 / (microbatches * slices), MoEStats()
 
     def total(self, device) -> torch.Tensor:
-        moe = torch.tensor(sum(layer.stats.aux + layer.stats.z for m in self.parts for layer in m.moe_layers()),
-                           dtype=torch.float64, device=device)
+        moe = torch.zeros((), dtype=torch.float64, device=device)
+        for m in self.parts:  # (the layers' values stay on the device: MoEStats)
+            for layer in m.moe_layers():
+                moe = moe + layer.stats.loss(device)
         if self.slices is not None:  # the TP ranks' slices, to the reported loss on each of them
             self.slices.all_reduce(moe, label="metrics.moe_tp")
         if self.pp is not None:  # the stages' MoE losses, to the reported loss on every stage

@@ -158,9 +158,10 @@ def reference_steps(run: RunConfig, tol: dict, states: list, replays: list | Non
         if tol["weight"] and not skipped:
             bounds = {n: step_bounds(grads[n], {k: after[k][n] for k in KINDS}, taken, group, tol["grad"], unit)
                       for n in params}
-        moe = sum(layer.stats.aux + layer.stats.z for layer in model.moe_layers())  # part of the loss
+        stats = [layer.stats.resolved() for layer in model.moe_layers()]
+        moe = sum(st.aux + st.z for st in stats)  # part of the loss
         out.append({"loss": loss.item() + moe, "grads": grads, "after": after, "bounds": bounds,
-                    "moe": [layer.stats for layer in model.moe_layers()], "skipped": skipped})
+                    "moe": stats, "skipped": skipped})
     return out
 
 

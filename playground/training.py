@@ -169,7 +169,9 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
                 out_states["steps"].append({"grads": grads, "state": _state(model),
                                             "skipped": _skipped(model) > skipped})
             if cfg.n_experts:  # this rank's routing statistics of the step, per MoE layer it holds
-                out["moe"].append({layer.index: dict(vars(layer.stats)) for layer in model.moe_layers})
+                # (read after the run where the losses are: reading them now would stop the host)
+                out["moe"].append({layer.index: layer.stats if deferred else layer.stats.as_dict()
+                                   for layer in model.moe_layers})
             work = rank.average_loss(total, async_op=deferred)
             if step == run.steps - 1:  # model states after the last step; the peaks are the tracker's own
                 out["memory"] = rank.memory_snapshot()
@@ -197,6 +199,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
     for work, total in losses:
         work.wait()
         out["losses"].append(total.item())
+    out["moe"] = [{i: st if isinstance(st, dict) else st.as_dict() for i, st in step.items()} for step in out["moe"]]
     if device.startswith("cuda"):  # to hold the accounting against what the allocator saw
         out["cuda_peak_allocated"] = torch.cuda.max_memory_allocated()
     if collect:

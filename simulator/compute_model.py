@@ -105,6 +105,19 @@ def _first_dtype(args):
     return None
 
 
+def _grouped_mm_flops(a, b, *args, out_val=None, **kwargs) -> int:
+    """torch._grouped_mm's FLOPs (a formula torch's counter lacks): each output element is a dot
+    product over a's last dimension, within its group. For (M, K) × (E, K, N) -> (M, N) each row
+    is its expert's; for (K, M) × (M, N) -> (E, K, N), a weight gradient, the groups split the
+    M rows between them, so the E outputs together contract M once."""
+    n = 1
+    for d in out_val:
+        n *= d
+    if len(a) == 2 and len(b) == 2:
+        n //= out_val[0]
+    return 2 * a[-1] * n
+
+
 def _causal_aware(formula, index: int):
     def flops(*args, **kwargs):
         full = formula(*args, **kwargs)
@@ -185,6 +198,8 @@ class ComputeModel(TorchDispatchMode):
             return False
         if packet in _COPIES:
             return _TRANSFER
+        if packet is getattr(torch.ops.aten, "_grouped_mm", None):
+            return _grouped_mm_flops
         formula = flop_registry.get(_ALIASES.get(packet, packet))
         if formula is not None and packet in _CAUSAL_ARG:
             formula = _causal_aware(formula, _CAUSAL_ARG[packet])

@@ -409,3 +409,21 @@ def test_outputs_made_without_the_meta_kernel_are_the_kernels():
                 assert (got.shape, got.stride(), got.dtype, got.device) == (want.shape, want.stride(), want.dtype,
                                                                              want.device), (func, args)
     assert made == 2 * 19
+
+
+def test_grouped_gemm_experts_are_priced_by_their_flops():
+    """The experts as grouped GEMMs on meta (what a plan prices for a bf16 GPU run): forward
+    three (M, d) × (E, d, f) products, 2·M·d·f FLOPs each, and twice that in backward (the
+    input's gradient and the weights', whose groups split the M rows)."""
+    from model.moe import Experts
+
+    def fn(world):
+        experts = Experts(4, 64, 96).to(device="meta", dtype=torch.bfloat16)
+        x = torch.empty(40, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        compute = world.timing.compute_model
+        before = compute.flops
+        y = experts(x, torch.tensor([10, 0, 20, 10]))
+        y.backward(torch.empty_like(y))
+        return compute.flops - before
+    got = launch(fn, 1, time_model=SimulatedTime(H100)).values[0]
+    assert got == 3 * 3 * 2 * 40 * 64 * 96

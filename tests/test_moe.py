@@ -325,3 +325,53 @@ def test_moe_layouts_that_do_not_fit(layout, message):
 def test_moe_parameters_and_flops_formulas():
     c = preset("tiny-moe")
     assert c.n_params() == sum(p.numel() for p in GPT(c, device="meta").parameters())
+
+
+def test_the_grouped_gemm_experts_equal_the_loop(monkeypatch):
+    """The experts as three grouped GEMMs (the GPU path: torch._grouped_mm over the experts'
+    token ranges) give the loop's outputs and gradients, in bf16, with an expert given no
+    token; the counts stay a device tensor (no host read)."""
+    import model.moe as moe_module
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    torch.manual_seed(0)
+    experts = moe_module.Experts(4, 16, 24).to(torch.bfloat16)
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, std=0.2)
+    x = torch.randn(21, 16, dtype=torch.bfloat16, requires_grad=True)
+    counts = torch.tensor([5, 0, 9, 7])
+
+    def run(grouped):
+        monkeypatch.setattr(moe_module, "grouped_mm_applies", lambda x, w: grouped)
+        for p in (x, *experts.parameters()):
+            p.grad = None
+        y = experts(x, counts)
+        (y.float() * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
+        return y.detach().float(), [p.grad.float() for p in (x, *experts.parameters())]
+    try:
+        y_g, g_g = run(True)
+    except RuntimeError as e:  # (a CPU build without the kernel)
+        pytest.skip(f"torch._grouped_mm does not run here: {e}")
+    y_l, g_l = run(False)
+    assert torch.allclose(y_g, y_l, rtol=2e-2, atol=2e-2)
+    for a, b in zip(g_g, g_l):
+        assert torch.allclose(a, b, rtol=3e-2, atol=3e-2)
+
+
+def test_expert_counts_are_bincount_without_reading_the_device():
+    from model.moe import _count
+    e = torch.randint(0, 7, (1000,))
+    assert torch.equal(_count(e, 9), torch.bincount(e, minlength=9))
+
+
+def test_a_layers_record_stays_on_the_device_until_read():
+    """MoEStats keeps the calls' losses and counts as they are; `resolved` sums and reads
+    them once, `loss` sums the losses without reading them."""
+    from model.moe import MoEStats
+    st = MoEStats()
+    for routed, aux in ((torch.tensor([3, 1, 0]), torch.tensor(0.25)), (torch.tensor([1, 1, 2]), torch.tensor(0.5))):
+        st.calls.append((aux, aux / 10, routed, 1))
+    assert isinstance(st.loss("cpu"), torch.Tensor) and st.loss("cpu").item() == pytest.approx(0.825)
+    r = st.resolved()
+    assert (r.aux, r.z, r.routed, r.assignments, r.dropped) == (0.75, pytest.approx(0.075), [4, 2, 2], 8, 2)
+    assert not r.calls
