@@ -68,10 +68,14 @@ def ledger(stage: int, S: int = 4, R: int = 2) -> dict:
         if e.label.startswith("zero."):
             kind = e.label.split(".")[1]
             sent[kind] = sent.get(kind, 0) + e.bytes_sent / steps
-    units = [-(-sum(p.numel() for _, p in ps) // S) * S for _, _, ps in unit_specs(GPT(TINY, device="meta"),
-                                                                                      zero_units(GPT(TINY, device="meta")))]
-    closed = {"grads": sum((S - 1) / S * n * width for n in units),
-              "replicate": sum(2 * (R - 1) / R * n / S * width for n in units)}
+    model = GPT(TINY, device="meta")
+    units = [-(-sum(p.numel() for _, p in ps) // S) * S for _, _, ps in unit_specs(model, zero_units(model))]
+    scatter = sum((S - 1) / S * n * width for n in units)
+    # reduce-scatter within the shard group, all-reduce of the shard across the replicas, the
+    # parameters all-gathered within the shard group after the step (stage 1) or around forward
+    # and backward (stage 3: twice)
+    closed = {"grads": scatter, "replicate": sum(2 * (R - 1) / R * n / S * width for n in units),
+              "params": scatter, "gather": 2 * scatter}
     return {"stage": stage, "shards": S, "replicas": R,
             "rows": [{"kind": k, "measured": sent.get(k, 0), "closed_form": closed.get(k)} for k in sorted(sent)]}
 
