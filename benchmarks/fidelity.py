@@ -54,6 +54,8 @@ MEASURED = [os.path.join(GPU, name) for name in ("run13_kernels", "run14_side_by
 SUPERSEDED = {
     "1b_zero3": "ZeRO-3 then kept a bf16 parameter shard and its gradient shards through the forward (4Ψ/N more)",
     "350m_zero3": "ZeRO-3 then kept a bf16 parameter shard and its gradient shards through the forward (4Ψ/N more)",
+    "1b-moe_ep2": "the experts then ran as a Python loop with host reads of the counts at every layer; a plan now "
+                  "prices the grouped GEMMs they run as (benchmarks/results/gpu/run32_moe_speed)",
 }
 
 
