@@ -255,8 +255,10 @@ def choose(probs, c) -> Decision:
         return Decision(expert, order)
     routed = _count(e, E)
     starts = torch.cumsum(routed, 0) - routed
-    rank = torch.arange(T * k, device=probs.device) - starts[e[order]]
-    return Decision(expert, order[rank < cap])
+    within = torch.arange(T * k, device=probs.device) - starts[e[order]] < cap
+    if probs.is_meta:  # shapes only (a plan): the kept assignments of balanced routing (_balanced)
+        return Decision(expert, order[:E * min(T * k // E, cap)])
+    return Decision(expert, order[within])
 
 
 def routing(probs, decision: Decision, c) -> Routing:
@@ -284,8 +286,9 @@ def router_probs(logits):
 def route(logits, c) -> tuple:
     """(probs, Routing) of one token group from its router logits (T, E)."""
     probs = router_probs(logits)
-    if logits.is_meta:
-        return probs, _balanced(probs, logits.shape[0], c)
+    if logits.is_meta:  # a plan: the ops a GPU runs to route (shapes only), with balanced counts
+        r, balanced = routing(probs, choose(probs, c), c), _balanced(probs, logits.shape[0], c)
+        return probs, Routing(r.tokens, r.gates, balanced.counts, balanced.routed, balanced.dropped)
     return probs, routing(probs, choose(probs, c), c)
 
 

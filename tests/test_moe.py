@@ -375,3 +375,30 @@ def test_a_layers_record_stays_on_the_device_until_read():
     r = st.resolved()
     assert (r.aux, r.z, r.routed, r.assignments, r.dropped) == (0.75, pytest.approx(0.075), [4, 2, 2], 8, 2)
     assert not r.calls
+
+
+def test_a_plan_routes_with_the_ops_a_gpu_runs():
+    """On meta (a plan) the router runs the same ops as on real data, with balanced counts:
+    the top-k, the sorts, the counts, the gates; only the mask of the kept assignments,
+    which needs the values, is a slice there."""
+    import collections
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.ops[func._overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+    cfg = preset("tiny-moe")
+    counted = {}
+    for device in ("cpu", "meta"):
+        logits = torch.randn(48, cfg.n_experts) if device == "cpu" else torch.empty(48, cfg.n_experts, device="meta")
+        with Count() as c:
+            probs, r = route(logits, cfg)
+        counted[device] = c.ops
+        assert r.tokens.numel() == r.gates.numel() and int(r.counts.sum()) == r.tokens.numel() or device == "cpu"
+    assert counted["cpu"] - counted["meta"] <= collections.Counter({"index": 1})
