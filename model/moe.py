@@ -94,14 +94,15 @@ class MoEStats:
             return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
         sums = torch.cat([column([a for a, _, _, _ in self.calls]).sum().reshape(1),
                           column([z for _, z, _, _ in self.calls]).sum().reshape(1),
+                          column([d for _, _, _, d in self.calls]).sum().reshape(1),
                           torch.stack(routed).to(device, torch.float64).sum(0) if routed
                           else torch.zeros(0, dtype=torch.float64, device=device)])
         values = [0.0] * sums.numel() if device.type == "meta" else sums.cpu().tolist()
-        aux, z, *per_expert = values
+        aux, z, dropped, *per_expert = values
         per_expert = [int(n) for n in per_expert] if E else []
         prior = self.routed or [0] * len(per_expert)
         return MoEStats(self.aux + aux, self.z + z, [a + b for a, b in zip(prior, per_expert)] or self.routed,
-                        self.assignments + sum(per_expert), self.dropped + sum(d for *_, d in self.calls),
+                        self.assignments + sum(per_expert), self.dropped + int(dropped),
                         [], self.decisions, self.ties, self.tied, self.mismatches)
 
     def loss(self, device) -> torch.Tensor:
@@ -261,6 +262,32 @@ def choose(probs, c) -> Decision:
     return Decision(expert, order[within])
 
 
+def static_routing(probs, c) -> Routing:
+    """The group's Routing under `choose`'s decision, with a capacity, in shapes that do not
+    depend on the values: all T·k assignments, the kept ones first (expert-major, as `choose`
+    orders them), then the dropped ones, given to the last expert's range with gate 0. Each
+    expert keeps min(its assignments, C), so the counts are known on the device and nothing
+    waits for the host (a GPU then runs the layer without a sync, and torch.compile without a
+    graph break). The outputs are those of `routing(probs, choose(probs, c), c)`: a dropped
+    row adds 0 to its token, and its gate gets no gradient; the experts do the dropped rows'
+    arithmetic for nothing (few, at a capacity factor of 1 or more)."""
+    T, E, k = probs.shape[0], c.n_experts, c.top_k
+    top, expert = probs.topk(k, dim=-1)
+    e, p = expert.reshape(-1), top.reshape(-1)
+    order = torch.sort(-p, stable=True).indices
+    order = order[torch.sort((e * k + torch.arange(k, device=probs.device).repeat(T))[order], stable=True).indices]
+    routed = _count(e, E)
+    cap = capacity(c, T)
+    within = torch.arange(T * k, device=probs.device) - (torch.cumsum(routed, 0) - routed)[e[order]] < cap
+    order = order[torch.sort(~within, stable=True).indices]  # the kept ones first, in their order
+    kept = within.sum()
+    counts = routed.clamp(max=cap)
+    counts[-1] += T * k - kept  # the dropped rows, weighted 0, at the end of the last expert's range
+    gates = (top / top.sum(dim=-1, keepdim=True) if c.renormalizes else top).reshape(-1)
+    mask = torch.arange(T * k, device=probs.device) < kept
+    return Routing(order // k, gates[order] * mask, counts, routed, T * k - kept)
+
+
 def routing(probs, decision: Decision, c) -> Routing:
     """The group's Routing under `decision`, its gates taken from `probs` (differentiable):
     each chosen expert's probability, renormalised over the token's k choices when the
@@ -382,7 +409,11 @@ class MoE(nn.Module):
             b, s, d = x.shape
             flat = x.reshape(b * s, d)
             logits = self.router(flat)
-            probs, r = self._route(logits)
+            if c.capacity_factor and self.dispatch is None and not self.record and not logits.is_meta:
+                probs = router_probs(logits)  # (the dispatch needs the compact kept rows and their sizes)
+                r = static_routing(probs, c)
+            else:
+                probs, r = self._route(logits)
             total = r.routed.clone()  # (on meta: the balanced counts, on the CPU)
             if self.stats_group is not None:
                 self.stats_group.all_reduce(total, label="moe.aux_counts")

@@ -402,3 +402,31 @@ def test_a_plan_routes_with_the_ops_a_gpu_runs():
         counted[device] = c.ops
         assert r.tokens.numel() == r.gates.numel() and int(r.counts.sum()) == r.tokens.numel() or device == "cpu"
     assert counted["cpu"] - counted["meta"] <= collections.Counter({"index": 1})
+
+
+@pytest.mark.parametrize("cf", [0.5, 1.0, 1.25])
+def test_routing_in_static_shapes_equals_routing_the_kept_rows(cf):
+    """With a capacity, the local experts route all T·k assignments (the dropped ones last,
+    with gate 0) instead of the kept rows alone, so nothing waits for the host: the layer's
+    output, every gradient and the dropped count are those of the compact routing."""
+    import dataclasses
+    cfg = dataclasses.replace(preset("tiny-moe"), capacity_factor=cf)
+    torch.manual_seed(0)
+    layer = MoE(cfg).double()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(3, 16, cfg.d_model, dtype=torch.float64)
+    got = {}
+    for record in (True, False):  # recording takes the compact rows (the check's path)
+        layer.record, layer.stats = record, mm.MoEStats()
+        for p in layer.parameters():
+            p.grad = None
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).reshape(y.shape)).sum().backward()
+        got[record] = (y.detach(), xi.grad, [p.grad for p in layer.parameters()], layer.stats.resolved())
+    (y1, gx1, gp1, st1), (y2, gx2, gp2, st2) = got[True], got[False]
+    assert st1.dropped == st2.dropped and st1.routed == st2.routed and (cf > 1 or st1.dropped > 0)
+    assert torch.allclose(y1, y2, rtol=1e-13, atol=1e-15) and torch.allclose(gx1, gx2, rtol=1e-12, atol=1e-14)
+    for a, b in zip(gp1, gp2):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
