@@ -239,26 +239,42 @@ class Decision:
         return (len(kept(self) ^ kept(other)) + 1) // 2
 
 
+def _ranked(probs, c) -> tuple:
+    """(top, expert, order, routed, within): each token's top-k probabilities and experts
+    (T, k); the assignments a = t·k + j expert-major, ranked by choice, then probability (high
+    first), then position; and, with a capacity (None without one), the assignments per expert
+    (E,) and whether each ranked assignment is within its expert's capacity."""
+    T, E, k = probs.shape[0], c.n_experts, c.top_k
+    top, expert = probs.topk(k, dim=-1)  # (T, k)
+    e, p = expert.reshape(-1), top.reshape(-1)
+    # stable sorts, least significant key first: probability (high first; ties keep the
+    # position), then expert and choice together (one integer key, e·k + choice)
+    order = torch.sort(-p, stable=True).indices
+    order = order[torch.sort((e * k + torch.arange(k, device=probs.device).repeat(T))[order], stable=True).indices]
+    cap = capacity(c, T)
+    if cap is None:
+        return top, expert, order, None, None
+    routed = _count(e, E)
+    within = torch.arange(T * k, device=probs.device) - (torch.cumsum(routed, 0) - routed)[e[order]] < cap
+    return top, expert, order, routed, within
+
+
+def _gates(top, c):
+    """The chosen experts' gates (T, k): their probabilities, renormalised over the token's
+    k choices when the config says so (`GPTConfig.renormalizes`)."""
+    return top / top.sum(dim=-1, keepdim=True) if c.renormalizes else top
+
+
 def choose(probs, c) -> Decision:
     """The top-k experts of each token (T, E probabilities) and, per expert, the assignments
     within its capacity: ranked by the token's choice, then probability (high first), then
     position in the group."""
-    T, E, k = probs.shape[0], c.n_experts, c.top_k
-    top, expert = probs.topk(k, dim=-1)  # (T, k)
-    e, p = expert.reshape(-1), top.reshape(-1)  # assignment a = t·k + j
-    choice = torch.arange(k, device=probs.device).repeat(T)
-    # stable sorts, least significant key first: probability (high first; ties keep the
-    # position), then expert and choice together (one integer key, e·k + choice)
-    order = torch.sort(-p, stable=True).indices
-    order = order[torch.sort((e * k + choice)[order], stable=True).indices]
-    cap = capacity(c, T)
-    if cap is None:
+    _, expert, order, _, within = _ranked(probs, c)
+    if within is None:
         return Decision(expert, order)
-    routed = _count(e, E)
-    starts = torch.cumsum(routed, 0) - routed
-    within = torch.arange(T * k, device=probs.device) - starts[e[order]] < cap
     if probs.is_meta:  # shapes only (a plan): the kept assignments of balanced routing (_balanced)
-        return Decision(expert, order[:E * min(T * k // E, cap)])
+        T, E, k = probs.shape[0], c.n_experts, c.top_k
+        return Decision(expert, order[:E * min(T * k // E, capacity(c, T))])
     return Decision(expert, order[within])
 
 
@@ -271,21 +287,14 @@ def static_routing(probs, c) -> Routing:
     graph break). The outputs are those of `routing(probs, choose(probs, c), c)`: a dropped
     row adds 0 to its token, and its gate gets no gradient; the experts do the dropped rows'
     arithmetic for nothing (few, at a capacity factor of 1 or more)."""
-    T, E, k = probs.shape[0], c.n_experts, c.top_k
-    top, expert = probs.topk(k, dim=-1)
-    e, p = expert.reshape(-1), top.reshape(-1)
-    order = torch.sort(-p, stable=True).indices
-    order = order[torch.sort((e * k + torch.arange(k, device=probs.device).repeat(T))[order], stable=True).indices]
-    routed = _count(e, E)
-    cap = capacity(c, T)
-    within = torch.arange(T * k, device=probs.device) - (torch.cumsum(routed, 0) - routed)[e[order]] < cap
+    T, k = probs.shape[0], c.top_k
+    top, _, order, routed, within = _ranked(probs, c)
     order = order[torch.sort(~within, stable=True).indices]  # the kept ones first, in their order
     kept = within.sum()
-    counts = routed.clamp(max=cap)
+    counts = routed.clamp(max=capacity(c, T))
     counts[-1] += T * k - kept  # the dropped rows, weighted 0, at the end of the last expert's range
-    gates = (top / top.sum(dim=-1, keepdim=True) if c.renormalizes else top).reshape(-1)
     mask = torch.arange(T * k, device=probs.device) < kept
-    return Routing(order // k, gates[order] * mask, counts, routed, T * k - kept)
+    return Routing(order // k, _gates(top, c).reshape(-1)[order] * mask, counts, routed, T * k - kept)
 
 
 def routing(probs, decision: Decision, c) -> Routing:
@@ -293,8 +302,7 @@ def routing(probs, decision: Decision, c) -> Routing:
     each chosen expert's probability, renormalised over the token's k choices when the
     config says so (`GPTConfig.renormalizes`)."""
     T, E, k = probs.shape[0], c.n_experts, c.top_k
-    top = probs.gather(1, decision.experts)
-    gates = top / top.sum(dim=-1, keepdim=True) if c.renormalizes else top
+    gates = _gates(probs.gather(1, decision.experts), c)
     e, kept = decision.experts.reshape(-1), decision.kept
     return Routing(kept // k, gates.reshape(-1)[kept], _count(e[kept], E), _count(e, E), T * k - kept.numel())
 
