@@ -10,6 +10,9 @@ def divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+ROUTERS = ("softmax", "topk_softmax", "sigmoid")
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     vocab_size: int = 256
@@ -33,6 +36,22 @@ class GPTConfig:
     renormalize_gates: bool | None = None
     aux_loss_coef: float = 0.01  # Switch's load-balancing loss α
     z_loss_coef: float = 0.001  # ST-MoE's router z-loss
+    # the load-balancing loss's counts: "batch" (Switch: f_i over every token of the microbatch)
+    # or "sequence" (DeepSeek-V3's sequence-wise balance loss: f_i and P_i per sequence)
+    aux_loss: str = "batch"
+    # the router's scores and gates (model/moe.py): "softmax" (softmax, then the top k),
+    # "topk_softmax" (Mixtral: the top k logits, then a softmax over them) or "sigmoid"
+    # (DeepSeek-V3: sigmoid scores, the top k's gates normalised when renormalize_gates)
+    router: str = "softmax"
+    # auxiliary-loss-free load balancing (Wang et al. 2024; DeepSeek-V3): a per-expert bias added
+    # to the scores for the top-k choice only, moved by this much per step towards the mean load;
+    # 0: no bias
+    bias_update_rate: float = 0.0
+    # fine-grained and shared experts (DeepSeekMoE, Dai et al. 2024): each routed expert's SwiGLU
+    # width (0: d_ff), and always-on shared experts beside the routed ones (one SwiGLU of
+    # n_shared_experts · expert_d_ff)
+    expert_d_ff: int = 0
+    n_shared_experts: int = 0
     # the attention kernel (model/gpt.py): "flash" (SDPA's fused kernel: the s×s scores stay on
     # chip) or "unfused" (Megatron-LM's of Narayanan et al. 2021: the scores written to
     # memory by a batched matmul, one fused scale-mask-softmax kernel, the probabilities kept)
@@ -43,11 +62,13 @@ class GPTConfig:
 
     def __post_init__(self):
         for name, least in (("vocab_size", 2), ("d_model", 1), ("n_layers", 1), ("n_heads", 1), ("seq_len", 2),
-                            ("n_kv_heads", 0), ("d_ff", 0), ("n_experts", 0)):
+                            ("n_kv_heads", 0), ("d_ff", 0), ("n_experts", 0), ("expert_d_ff", 0),
+                            ("n_shared_experts", 0)):
             value = getattr(self, name)
             if value < least:
                 raise ValueError(f"{name}={value!r} must be a whole number of at least {least}")
-        for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "rope_base", "norm_eps", "init_std"):
+        for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "rope_base", "norm_eps", "init_std",
+                     "bias_update_rate"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name}={getattr(self, name)} must be finite")
         if self.aux_loss_coef < 0 or self.z_loss_coef < 0:
@@ -59,6 +80,15 @@ class GPTConfig:
                              f"head serves a group of query heads)")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router={self.router!r}: choose one of {', '.join(ROUTERS)}")
+        if self.router == "topk_softmax" and self.renormalize_gates is False:
+            raise ValueError("router='topk_softmax' normalises the k gates by its softmax: renormalize_gates=False "
+                             "contradicts it (use router='softmax' for raw probabilities)")
+        if self.aux_loss not in ("batch", "sequence"):
+            raise ValueError(f"aux_loss={self.aux_loss!r}: choose 'batch' or 'sequence'")
+        if self.bias_update_rate < 0:
+            raise ValueError(f"bias_update_rate={self.bias_update_rate} must be >= 0")
         if self.moe_every < 1 or self.capacity_factor < 0:
             raise ValueError(f"moe_every={self.moe_every} must be >= 1 and capacity_factor={self.capacity_factor} >= 0")
         if self.attention not in ("flash", "unfused"):
@@ -77,6 +107,11 @@ class GPTConfig:
     def renormalizes(self) -> bool:
         """Whether the top-k gates are renormalised (renormalize_gates, or top_k > 1 when None)."""
         return self.top_k > 1 if self.renormalize_gates is None else self.renormalize_gates
+
+    @property
+    def expert_width(self) -> int:
+        """A routed expert's SwiGLU width (expert_d_ff, or d_ff when that is 0)."""
+        return self.expert_d_ff or self.d_ff
 
     @property
     def head_dim(self) -> int:
@@ -111,8 +146,9 @@ class GPTConfig:
         """Every parameter: embedding, per block two RMSNorm weights, q/k/v/o and the three
         SwiGLU matrices, the final norm, the untied LM head."""
         d, f, V, L, E = self.d_model, self.d_ff, self.vocab_size, self.n_layers, self.n_experts
-        moe = self.n_moe_layers
-        mlp = (L - moe) * 3 * d * f + moe * (E * d + E * 3 * d * f)  # an MoE block: router and E experts
+        moe, g = self.n_moe_layers, self.expert_width
+        # an MoE block: router, E experts and the shared ones
+        mlp = (L - moe) * 3 * d * f + moe * (E * d + (E + self.n_shared_experts) * 3 * d * g)
         attn = 2 * d * d + 2 * d * self.kv_dim  # q and o; k and v (narrower with grouped-query attention)
         return V * d + L * (2 * d + attn) + mlp + d + d * V
 
@@ -122,8 +158,9 @@ class GPTConfig:
         attention's QK^T and AV at 2·2·s·d per layer (full s×s, as kernels compute it
         without exploiting the causal mask). Training is 3× forward (backward = 2×)."""
         d, f, V, L, s = self.d_model, self.d_ff, self.vocab_size, self.n_layers, self.seq_len
-        moe = self.n_moe_layers  # a token meets the router and its top_k experts
-        mlp = (L - moe) * 3 * d * f + moe * (self.n_experts * d + self.top_k * 3 * d * f)
+        moe = self.n_moe_layers  # a token meets the router, its top_k experts and the shared ones
+        mlp = (L - moe) * 3 * d * f + moe * (self.n_experts * d
+                                             + (self.top_k + self.n_shared_experts) * 3 * d * self.expert_width)
         forward = 2 * (L * (2 * d * d + 2 * d * self.kv_dim) + mlp + d * V) + L * 4 * s * d
         return 3 * forward if training else forward
 
@@ -154,13 +191,22 @@ PRESETS = {
     # about 1B parameters in all, 8 experts, top-2 (about 0.33B active per token)
     "1b-moe": GPTConfig(vocab_size=50304, d_model=1024, n_layers=12, n_heads=16, seq_len=2048, n_experts=8,
                         top_k=2),
+    # today's MoE (DeepSeekMoE's fine-grained and shared experts; DeepSeek-V3's sigmoid router,
+    # auxiliary-loss-free bias, dropless, and a small sequence-wise balance loss): 1b-moe's
+    # experts each cut in two (16 of half the width, top-4) beside one shared expert
+    "tiny-dsmoe": GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, seq_len=32, n_experts=8, top_k=2,
+                            expert_d_ff=48, n_shared_experts=1, router="sigmoid", bias_update_rate=0.001,
+                            capacity_factor=0.0, aux_loss="sequence", aux_loss_coef=0.0001),
+    "1b-dsmoe": GPTConfig(vocab_size=50304, d_model=1024, n_layers=12, n_heads=16, seq_len=2048, n_experts=16,
+                          top_k=4, expert_d_ff=1368, n_shared_experts=1, router="sigmoid", bias_update_rate=0.001,
+                          capacity_factor=0.0, aux_loss="sequence", aux_loss_coef=0.0001),
 }
 
 
 # AdamW peak learning rate per preset: GPT-3's values for its 125M, 350M and 1.3B models
 # (Brown et al. 2020, table 2.1); the tiny CPU models learn fastest at 3e-3.
 DEFAULT_LR = {"tiny": 3e-3, "small": 3e-3, "125m": 6e-4, "350m": 3e-4, "1b": 2e-4,
-              "tiny-moe": 3e-3, "small-moe": 3e-3, "1b-moe": 3e-4, "7b": 3e-4, "13b": 3e-4, "70b": 1.5e-4}
+              "tiny-moe": 3e-3, "small-moe": 3e-3, "1b-moe": 3e-4, "tiny-dsmoe": 3e-3, "1b-dsmoe": 3e-4, "7b": 3e-4, "13b": 3e-4, "70b": 1.5e-4}
 
 
 def preset(name: str, **overrides) -> GPTConfig:

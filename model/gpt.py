@@ -215,11 +215,13 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, c: GPTConfig):
+    def __init__(self, c: GPTConfig, width: int = 0):
+        """width: the hidden width (0: c.d_ff)."""
         super().__init__()
-        self.w_gate = nn.Linear(c.d_model, c.d_ff, bias=False)
-        self.w_up = nn.Linear(c.d_model, c.d_ff, bias=False)
-        self.w_down = nn.Linear(c.d_ff, c.d_model, bias=False)
+        f = width or c.d_ff
+        self.w_gate = nn.Linear(c.d_model, f, bias=False)
+        self.w_up = nn.Linear(c.d_model, f, bias=False)
+        self.w_down = nn.Linear(f, c.d_model, bias=False)
 
     def forward(self, x):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
@@ -231,7 +233,8 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(c.d_model, c.norm_eps)
         self.attn = Attention(c)
         self.mlp_norm = RMSNorm(c.d_model, c.norm_eps)
-        self.mlp = MoE(c) if moe else SwiGLU(c)
+        shared = SwiGLU(c, c.n_shared_experts * c.expert_width) if moe and c.n_shared_experts else None
+        self.mlp = MoE(c, shared) if moe else SwiGLU(c)
         # activation checkpointing (activation_checkpointing.Recompute): runs `body` so that
         # backward recomputes what forward did not keep; None: plain forward
         self.recompute = None
@@ -314,6 +317,10 @@ class GPT(nn.Module):
                     block.attn.core.generator = dropout_generator(device)
             seed_dropout(self, seed, rank)
         self.rope_cos, self.rope_sin = rope_tables(c.seq_len, c.head_dim, c.rope_base, dtype, device)
+        for layer in self.moe_layers():  # the balancing bias starts at zero, in at least float32
+            if layer.expert_bias is not None:
+                layer.expert_bias = torch.zeros(c.n_experts, dtype=torch.promote_types(dtype, torch.float32),
+                                                device=device)
         return self
 
     def forward(self, x, targets=None):

@@ -33,7 +33,7 @@ def init_full_parameter(name: str, shape, config: GPTConfig, seed: int) -> torch
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.float64)
     std = config.init_std
-    if name.endswith(("attn.wo.weight", "mlp.w_down.weight", "mlp.experts.w_down")):
+    if name.endswith(("attn.wo.weight", "mlp.w_down.weight", "mlp.experts.w_down", "mlp.shared.w_down.weight")):
         std = std / math.sqrt(2 * config.n_layers)
     g = torch.Generator().manual_seed(param_seed(seed, name))
     return torch.randn(shape, generator=g, dtype=torch.float64) * std

@@ -1,14 +1,29 @@
 """The mixture-of-experts layer of the reference GPT: a router and E SwiGLU experts in
 place of a block's MLP (Shazeer et al. 2017; Lepikhin et al. 2020, GShard; Fedus et al.
-2021, Switch Transformer; Zoph et al. 2022, ST-MoE).
+2021, Switch Transformer; Zoph et al. 2022, ST-MoE; Dai et al. 2024, DeepSeekMoE;
+DeepSeek-AI 2024, DeepSeek-V3).
 
-Router: a linear layer to E logits, softmax in (at least) float32, the top k experts of each
-token (`choose`: the discrete decision), their gates (`routing`): with k > 1 renormalised to
-sum to one (GShard, Mixtral), with k = 1 the raw probability (Switch Transformer: a gate
+Router: a linear layer to E logits, scored in (at least) float32 (`router_scores`): by a
+softmax (`router` "softmax" and "topk_softmax") or a sigmoid per expert ("sigmoid",
+DeepSeek-V3). The top k experts of each token by score (`choose`: the discrete decision),
+their gates (`routing`): "softmax" gives the chosen probabilities, with k > 1 renormalised
+to sum to one (GShard), with k = 1 the raw probability (Switch Transformer: a gate
 renormalised alone is exactly 1 and gives the router no gradient from the task), either
-configurable (`renormalize_gates`). Experts: E SwiGLU MLPs, their
-weights stacked along a leading expert dimension (`experts.w_gate` is (E, d_ff, d)), so
-expert parallelism shards them by an index range.
+configurable (`renormalize_gates`); "topk_softmax" a softmax over the chosen logits
+(Mixtral: equal to the renormalised probabilities, up to rounding); "sigmoid" the chosen
+scores, normalised to sum to one like "softmax"'s (DeepSeek-V3).
+
+Auxiliary-loss-free balancing (Wang et al. 2024; DeepSeek-V3 §2.1.2), with
+`bias_update_rate` γ > 0: a per-expert bias b (`expert_bias`, a buffer: optimizer-free
+state, in checkpoints) is added to the scores for the top-k choice only, never to the
+gates. After each step every b_i moves by γ·sign(mean load − load_i), the load being the
+assignments routed to each expert over the whole global batch (the counts already summed
+over every rank for f_i, so b is the same on every replica).
+
+Experts: E SwiGLU MLPs of width `expert_width`, their weights stacked along a leading expert
+dimension (`experts.w_gate` is (E, width, d)), so expert parallelism shards them by an index
+range; and `n_shared_experts` always-on shared experts (DeepSeekMoE), one SwiGLU of their
+summed width that every token passes through beside its routed experts, a dense module.
 
 Capacity (GShard's groups): the tokens one rank routes in one call form a token group of
 T tokens; each expert takes at most C = ceil(cf · k · T / E) of the group's assignments
@@ -24,7 +39,10 @@ layout's decision (`Replay`) and reports it.
 Auxiliary losses, part of the training loss: Switch's load-balancing α · E · Σ_i f_i · P_i,
 f_i the fraction of the (pre-drop) assignments routed to expert i, counted over every
 group of the same microbatch on every rank (an all-reduce of E counts on a layout), P_i the
-group's mean router probability; and ST-MoE's z-loss β · mean(logsumexp(logits)²). They
+group's mean router probability (sigmoid scores normalised over the experts first); with
+`aux_loss` "sequence", DeepSeek-V3's sequence-wise form, f_i and P_i per sequence (the
+counts summed over the ranks holding parts of the same sequences), averaged over the
+sequences; and ST-MoE's z-loss β · mean(logsumexp(logits)²). They
 enter backward where the layer is (so a pipeline stage differentiates its own), through an
 autograd function that adds their gradient at the layer's output, and are recorded for the
 report. Under gradient accumulation each call's losses weigh `aux_scale` (1/microbatches).
@@ -58,6 +76,7 @@ class Routing:
     counts: torch.Tensor  # (E,) kept assignments per expert
     routed: torch.Tensor  # (E,) assignments per expert before the capacity (f_i's counts)
     dropped: int
+    chosen: torch.Tensor | None = None  # (T, k) each token's experts (the sequence-wise counts)
 
 
 @dataclass
@@ -69,6 +88,7 @@ class MoEStats:
     aux: float = 0.0
     z: float = 0.0
     routed: list | None = None  # per expert, this rank's pre-drop assignments
+    bias: list | None = None  # the balancing bias per expert after the step (a tensor until read)
     assignments: int = 0
     dropped: int = 0
     calls: list = field(default_factory=list)  # (aux, z, routed (E,) or None, dropped) of each call
@@ -83,8 +103,11 @@ class MoEStats:
     def resolved(self) -> "MoEStats":
         """The record with its calls summed and read (one copy from the device for them all;
         zeros on the meta device, which has no values)."""
+        bias = self.bias.tolist() if isinstance(self.bias, torch.Tensor) and not self.bias.is_meta else \
+            (None if isinstance(self.bias, torch.Tensor) else self.bias)
         if not self.calls:
-            return self
+            return MoEStats(self.aux, self.z, self.routed, bias, self.assignments, self.dropped, [], self.decisions,
+                            self.ties, self.tied, self.mismatches)
         tensors = [x for call in self.calls for x in call[:3] if isinstance(x, torch.Tensor)]
         device = tensors[0].device if tensors else torch.device("cpu")
         routed = [r for _, _, r, _ in self.calls if r is not None]
@@ -101,7 +124,7 @@ class MoEStats:
         aux, z, dropped, *per_expert = values
         per_expert = [int(n) for n in per_expert] if E else []
         prior = self.routed or [0] * len(per_expert)
-        return MoEStats(self.aux + aux, self.z + z, [a + b for a, b in zip(prior, per_expert)] or self.routed,
+        return MoEStats(self.aux + aux, self.z + z, [a + b for a, b in zip(prior, per_expert)] or self.routed, bias,
                         self.assignments + sum(per_expert), self.dropped + int(dropped),
                         [], self.decisions, self.ties, self.tied, self.mismatches)
 
@@ -240,10 +263,11 @@ class Decision:
 
 
 def _ranked(probs, c) -> tuple:
-    """(top, expert, order, routed, within): each token's top-k probabilities and experts
-    (T, k); the assignments a = t·k + j expert-major, ranked by choice, then probability (high
+    """(top, expert, order, routed, within): each token's top-k selection scores and experts
+    (T, k); the assignments a = t·k + j expert-major, ranked by choice, then score (high
     first), then position; and, with a capacity (None without one), the assignments per expert
-    (E,) and whether each ranked assignment is within its expert's capacity."""
+    (E,) and whether each ranked assignment is within its expert's capacity. `probs`: the
+    selection scores (T, E), the router's scores plus the balancing bias where there is one."""
     T, E, k = probs.shape[0], c.n_experts, c.top_k
     top, expert = probs.topk(k, dim=-1)  # (T, k)
     e, p = expert.reshape(-1), top.reshape(-1)
@@ -259,16 +283,22 @@ def _ranked(probs, c) -> tuple:
     return top, expert, order, routed, within
 
 
-def _gates(top, c):
-    """The chosen experts' gates (T, k): their probabilities, renormalised over the token's
-    k choices when the config says so (`GPTConfig.renormalizes`)."""
+def _gates(scores, experts, c):
+    """The chosen experts' gates (T, k) from the router's scores (T, E; differentiable):
+    their scores, renormalised over the token's k choices when the config says so
+    (`GPTConfig.renormalizes`); with router "topk_softmax" a softmax over the chosen logits
+    (Mixtral), computed from the log-probabilities, which differ from the logits by one
+    constant per token."""
+    top = scores.gather(1, experts)
+    if c.router == "topk_softmax":
+        return torch.softmax(top.log(), dim=-1)
     return top / top.sum(dim=-1, keepdim=True) if c.renormalizes else top
 
 
 def choose(probs, c) -> Decision:
-    """The top-k experts of each token (T, E probabilities) and, per expert, the assignments
-    within its capacity: ranked by the token's choice, then probability (high first), then
-    position in the group."""
+    """The top-k experts of each token (T, E selection scores) and, per expert, the
+    assignments within its capacity: ranked by the token's choice, then score (high first),
+    then position in the group."""
     _, expert, order, _, within = _ranked(probs, c)
     if within is None:
         return Decision(expert, order)
@@ -278,33 +308,35 @@ def choose(probs, c) -> Decision:
     return Decision(expert, order[within])
 
 
-def static_routing(probs, c) -> Routing:
-    """The group's Routing under `choose`'s decision, with a capacity, in shapes that do not
+def static_routing(scores, selection, c) -> Routing:
+    """The group's Routing under `choose`'s decision on `selection` (the router's `scores`
+    plus any balancing bias), with a capacity, in shapes that do not
     depend on the values: all T·k assignments, the kept ones first (expert-major, as `choose`
     orders them), then the dropped ones, given to the last expert's range with gate 0. Each
     expert keeps min(its assignments, C), so the counts are known on the device and nothing
     waits for the host (a GPU then runs the layer without a sync, and torch.compile without a
-    graph break). The outputs are those of `routing(probs, choose(probs, c), c)`: a dropped
-    row adds 0 to its token, and its gate gets no gradient; the experts do the dropped rows'
-    arithmetic for nothing (few, at a capacity factor of 1 or more)."""
-    T, k = probs.shape[0], c.top_k
-    top, _, order, routed, within = _ranked(probs, c)
+    graph break). The outputs are those of `routing(scores, choose(selection, c), c)`: a
+    dropped row adds 0 to its token, and its gate gets no gradient; the experts do the dropped
+    rows' arithmetic for nothing (few, at a capacity factor of 1 or more)."""
+    T, k = scores.shape[0], c.top_k
+    _, expert, order, routed, within = _ranked(selection, c)
     order = order[torch.sort(~within, stable=True).indices]  # the kept ones first, in their order
     kept = within.sum()
     counts = routed.clamp(max=capacity(c, T))
     counts[-1] += T * k - kept  # the dropped rows, weighted 0, at the end of the last expert's range
-    mask = torch.arange(T * k, device=probs.device) < kept
-    return Routing(order // k, _gates(top, c).reshape(-1)[order] * mask, counts, routed, T * k - kept)
+    mask = torch.arange(T * k, device=scores.device) < kept
+    return Routing(order // k, _gates(scores, expert, c).reshape(-1)[order] * mask, counts, routed, T * k - kept,
+                   expert)
 
 
-def routing(probs, decision: Decision, c) -> Routing:
-    """The group's Routing under `decision`, its gates taken from `probs` (differentiable):
-    each chosen expert's probability, renormalised over the token's k choices when the
-    config says so (`GPTConfig.renormalizes`)."""
-    T, E, k = probs.shape[0], c.n_experts, c.top_k
-    gates = _gates(probs.gather(1, decision.experts), c)
+def routing(scores, decision: Decision, c) -> Routing:
+    """The group's Routing under `decision`, its gates taken from the router's `scores`
+    (differentiable; `_gates`)."""
+    T, E, k = scores.shape[0], c.n_experts, c.top_k
+    gates = _gates(scores, decision.experts, c)
     e, kept = decision.experts.reshape(-1), decision.kept
-    return Routing(kept // k, gates.reshape(-1)[kept], _count(e[kept], E), _count(e, E), T * k - kept.numel())
+    return Routing(kept // k, gates.reshape(-1)[kept], _count(e[kept], E), _count(e, E), T * k - kept.numel(),
+                   decision.experts)
 
 
 def _count(experts, E: int) -> torch.Tensor:
@@ -313,18 +345,34 @@ def _count(experts, E: int) -> torch.Tensor:
     return torch.zeros(E, dtype=torch.long, device=experts.device).index_add_(0, experts, torch.ones_like(experts))
 
 
-def router_probs(logits):
-    """Softmax of the router logits, in at least float32."""
-    return torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+def router_scores(logits, c):
+    """The router's scores (T, E) of its logits, in at least float32: softmax probabilities,
+    or with router "sigmoid" an independent sigmoid per expert (DeepSeek-V3)."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.sigmoid(x) if c.router == "sigmoid" else torch.softmax(x, dim=-1)
 
 
-def route(logits, c) -> tuple:
-    """(probs, Routing) of one token group from its router logits (T, E)."""
-    probs = router_probs(logits)
+def balance_probs(scores, c):
+    """The per-token terms of the balancing loss's P_i (T, E): the softmax probabilities, or
+    sigmoid scores normalised over the experts (DeepSeek-V3, eq. 19)."""
+    return scores / scores.sum(dim=-1, keepdim=True) if c.router == "sigmoid" else scores
+
+
+def selection_scores(scores, bias):
+    """What the top-k choice ranks: the scores plus the balancing bias (not differentiated;
+    None: no bias)."""
+    return scores.detach() if bias is None else scores.detach() + bias.to(scores.dtype)
+
+
+def route(logits, c, bias=None) -> tuple:
+    """(scores, Routing) of one token group from its router logits (T, E) and the balancing
+    bias (E,) or None."""
+    scores = router_scores(logits, c)
+    decision = choose(selection_scores(scores, bias), c)
     if logits.is_meta:  # a plan: the ops a GPU runs to route (shapes only), with balanced counts
-        r, balanced = routing(probs, choose(probs, c), c), _balanced(probs, logits.shape[0], c)
-        return probs, Routing(r.tokens, r.gates, balanced.counts, balanced.routed, balanced.dropped)
-    return probs, routing(probs, choose(probs, c), c)
+        r, balanced = routing(scores, decision, c), _balanced(scores, logits.shape[0], c)
+        return scores, Routing(r.tokens, r.gates, balanced.counts, balanced.routed, balanced.dropped, r.chosen)
+    return scores, routing(scores, decision, c)
 
 
 def _detached(x):
@@ -332,22 +380,56 @@ def _detached(x):
     return x.detach() if isinstance(x, torch.Tensor) else float(x)
 
 
+def sequence_counts(chosen, rows: int, E: int) -> torch.Tensor:
+    """(rows, E): each sequence's assignments per expert, from each token's experts (T, k),
+    the T tokens being `rows` sequences of T/rows tokens in order."""
+    T, k = chosen.shape
+    row = torch.arange(T, device=chosen.device).div(T // rows, rounding_mode="floor").repeat_interleave(k)
+    return _count(row * E + chosen.reshape(-1), rows * E).reshape(rows, E)
+
+
 class MoE(nn.Module):
-    def __init__(self, c):
+    def __init__(self, c, shared: nn.Module | None = None):
+        """shared: the shared experts' SwiGLU (n_shared_experts · expert_width wide), or None."""
         super().__init__()
         self.config = c
         self.router = nn.Linear(c.d_model, c.n_experts, bias=False)
-        self.experts = Experts(c.n_experts, c.d_model, c.d_ff)
+        self.experts = Experts(c.n_experts, c.d_model, c.expert_width)
+        self.shared = shared
+        # the auxiliary-loss-free balancing bias (optimizer-free state: zero at the start, moved
+        # by `update_bias`; the model's materialize gives it storage); None without one
+        self.register_buffer("expert_bias", torch.zeros(c.n_experts) if c.bias_update_rate else None,
+                             persistent=False)
+        self.load = None  # the step's assignments per expert over every rank, for `update_bias`
         # set by a layout (playground.parallelize) or by the equivalence check's reference:
         self.groups: TokenGroups | None = None  # reference: split the batch as the layout's ranks do
         self.stats_group = None  # layout: the ranks whose counts make f_i (an all-reduce of E counts)
+        self.sequence_group = None  # layout: the ranks holding other parts of the same sequences
         self.dispatch = None  # expert parallelism: (x sorted expert-major, counts, experts) -> outputs
         self.aux_scale = 1.0
         self.stats = MoEStats()
         self.index = None  # the block it sits in
         self.recomputing = False  # activation checkpointing runs the forward again: record nothing
-        self.record = False  # a layout's rank under the check: keep each call's (probs, Decision)
+        self.record = False  # a layout's rank under the check: keep each call's (scores, Decision)
         self.replay: Replay | None = None  # the check's reference: the layout's decisions this step
+
+    # -- the balancing bias ------------------------------------------------------------------
+    def _add_load(self, routed) -> None:
+        """Count a call's assignments per expert (summed over every rank) into the step's load."""
+        if self.expert_bias is not None and not self.recomputing:
+            self.load = routed if self.load is None else self.load + routed
+
+    def update_bias(self) -> None:
+        """After the step: b_i += γ · sign(mean load − load_i) (Wang et al. 2024, eq. 5;
+        DeepSeek-V3 §2.1.2), compared in whole numbers (E · load_i against the total load)."""
+        if self.expert_bias is None:
+            return
+        if self.load is not None:
+            load = self.load.to(self.expert_bias.device)
+            sign = torch.sign(load.sum() - self.config.n_experts * load).to(self.expert_bias.dtype)
+            self.expert_bias.add_(sign, alpha=self.config.bias_update_rate)
+            self.load = None
+        self.stats.bias = self.expert_bias.detach().clone()
 
     # -- one token group -------------------------------------------------------------------
     def _apply_experts(self, x, counts):
@@ -356,52 +438,65 @@ class MoE(nn.Module):
         return self.experts(x, counts)
 
     def _group(self, x, routing: Routing):
-        """The experts' outputs combined for the group's tokens x (T, d)."""
+        """The experts' outputs combined for the group's tokens x (T, d), the shared experts' added."""
         y = self._apply_experts(x[routing.tokens], routing.counts)
         out = x.new_zeros(x.shape, dtype=y.dtype)  # (under autocast the experts' dtype, as a dense MLP's)
-        return out.index_add(0, routing.tokens, y * routing.gates.unsqueeze(-1).to(y.dtype))
+        out = out.index_add(0, routing.tokens, y * routing.gates.unsqueeze(-1).to(y.dtype))
+        return out if self.shared is None else out + self.shared(x)
 
     def _route(self, logits):
         """route(), keeping the decision when recording (a layout's rank under the check)."""
         if not self.record or logits.is_meta:
-            return route(logits, self.config)
-        probs = router_probs(logits)
-        decision = choose(probs, self.config)
+            return route(logits, self.config, self.expert_bias)
+        scores = router_scores(logits, self.config)
+        chosen_by = selection_scores(scores, self.expert_bias)
+        decision = choose(chosen_by, self.config)
         if not self.recomputing:
-            self.stats.decisions.append((probs.detach().to("cpu", copy=True),
+            self.stats.decisions.append((chosen_by.to("cpu", copy=True),
                                          Decision(decision.experts.cpu(), decision.kept.cpu())))
-        return probs, routing(probs, decision, self.config)
+        return scores, routing(scores, decision, self.config)
 
     def _replayed(self, logits, cell):
         """The reference's routing of one token group under `self.replay` (see `Replay`)."""
         c = self.config
         if logits.is_meta:
-            return route(logits, c)
-        probs = router_probs(logits)
-        own = choose(probs, c)
+            return route(logits, c, self.expert_bias)
+        scores = router_scores(logits, c)
+        chosen_by = selection_scores(scores, self.expert_bias)
+        own = choose(chosen_by, c)
         theirs = self.replay.groups.get(cell) if self.replay is not None else None
         if theirs is None or own.same(theirs[1]):
-            return probs, routing(probs, own, c)
-        their_probs, decision = theirs
-        gap = (their_probs.double() - probs.detach().cpu().double()).abs().max().item() \
-            if their_probs.shape == probs.shape else float("inf")
-        if gap <= self.replay.tolerance and choose(their_probs, c).same(decision):
+            return scores, routing(scores, own, c)
+        their_scores, decision = theirs
+        gap = (their_scores.double() - chosen_by.cpu().double()).abs().max().item() \
+            if their_scores.shape == chosen_by.shape else float("inf")
+        if gap <= self.replay.tolerance and choose(their_scores, c).same(decision):
             if not self.recomputing:  # (counted once, replayed every time)
                 self.stats.ties += 1
                 self.stats.tied += own.differing(decision)
-            return probs, routing(probs, Decision(decision.experts.to(probs.device), decision.kept.to(probs.device)), c)
+            return scores, routing(scores, Decision(decision.experts.to(scores.device), decision.kept.to(scores.device)),
+                                   c)
         if not self.recomputing:
-            why = f"probabilities {gap:.1e} apart" if gap > self.replay.tolerance else \
-                "the layout's decision is not what its own probabilities give"
+            why = f"scores {gap:.1e} apart" if gap > self.replay.tolerance else \
+                "the layout's decision is not what its own scores give"
             self.stats.mismatches.append(f"block {self.index}, token group {cell}: {own.differing(decision)} "
                                          f"assignments routed otherwise ({why})")
-        return probs, routing(probs, own, c)
+        return scores, routing(scores, own, c)
 
-    def _losses(self, logits, probs, frac):
-        """α · E · Σ f_i P_i and β · mean(logsumexp²) of one group; frac: f (E,)."""
+    def _losses(self, logits, scores, counts):
+        """α · E · Σ f_i P_i and β · mean(logsumexp²) of one group. counts: the assignments per
+        expert (E,) that make f_i (aux_loss "batch"), or per sequence and expert (rows, E),
+        each sequence's f_i and P_i then taken alone and the products averaged over them."""
         c = self.config
-        aux = c.aux_loss_coef * c.n_experts * (frac * probs.mean(dim=0)).sum()
-        z = c.z_loss_coef * torch.logsumexp(logits.to(probs.dtype), dim=-1).pow(2).mean()
+        frac = counts.to(scores.dtype).to(scores.device)
+        frac = frac / frac.sum(dim=-1, keepdim=True)
+        p = balance_probs(scores, c)
+        if counts.dim() == 1:
+            aux = c.aux_loss_coef * c.n_experts * (frac * p.mean(dim=0)).sum()
+        else:  # DeepSeek-V3's sequence-wise balance loss (eqs. 17-20)
+            per_seq = p.reshape(counts.shape[0], -1, c.n_experts).mean(dim=1)
+            aux = c.aux_loss_coef * c.n_experts * (frac * per_seq).sum(dim=-1).mean()
+        z = c.z_loss_coef * torch.logsumexp(logits.to(scores.dtype), dim=-1).pow(2).mean()
         return aux, z
 
     def _record(self, aux, z, routed, dropped) -> None:
@@ -418,14 +513,20 @@ class MoE(nn.Module):
             flat = x.reshape(b * s, d)
             logits = self.router(flat)
             if c.capacity_factor and self.dispatch is None and not self.record and not logits.is_meta:
-                probs = router_probs(logits)  # (the dispatch needs the compact kept rows and their sizes)
-                r = static_routing(probs, c)
+                scores = router_scores(logits, c)  # (the dispatch needs the compact kept rows and their sizes)
+                r = static_routing(scores, selection_scores(scores, self.expert_bias), c)
             else:
-                probs, r = self._route(logits)
+                scores, r = self._route(logits)
             total = r.routed.clone()  # (on meta: the balanced counts, on the CPU)
             if self.stats_group is not None:
                 self.stats_group.all_reduce(total, label="moe.aux_counts")
-            aux, z = self._losses(logits, probs, (total.to(probs.dtype) / total.sum()).to(probs.device))
+            self._add_load(total)
+            counts = total
+            if c.aux_loss == "sequence":
+                counts = sequence_counts(r.chosen, b, c.n_experts)
+                if self.sequence_group is not None:
+                    self.sequence_group.all_reduce(counts, label="moe.aux_counts_seq")
+            aux, z = self._losses(logits, scores, counts)
             out = self._group(flat, r).reshape(b, s, d)
             self._record(aux * self.aux_scale, z * self.aux_scale, r.routed, r.dropped)
             return _AddAuxLoss.apply(out, (aux + z) * self.aux_scale)
@@ -433,22 +534,26 @@ class MoE(nn.Module):
 
     def _reference(self, x):
         """The whole batch as the layout's ranks would route it: every (row group, sequence
-        group) is a token group; f_i counted over the groups of the same microbatch; the
-        auxiliary losses averaged over the groups (each group has as many tokens)."""
-        gr = self.groups
+        group) is a token group; f_i counted over the groups of the same microbatch (or, per
+        sequence, over the sequence groups of the same rows); the auxiliary losses averaged
+        over the groups (each group has as many tokens)."""
+        gr, c = self.groups, self.config
         out = None
         cells = [(rows, h, seq) for rows in range(len(gr.rows)) for h, seq in enumerate(gr.seqs)]
-        routed, stats = [], {}
+        routed, stats, per_row = [], {}, {}
         for g, h, seq in cells:
             xs = x[gr.rows[g]][:, seq]
             logits = self.router(xs.reshape(-1, xs.shape[-1]))
-            probs, r = self._replayed(logits, (g, h))
-            routed.append((g, seq, xs, logits, probs, r))
+            scores, r = self._replayed(logits, (g, h))
+            routed.append((g, seq, xs, logits, scores, r))
             stats[gr.stats[g]] = stats.get(gr.stats[g], 0) + r.routed
+            if c.aux_loss == "sequence" and not logits.is_meta:
+                per_row[g] = per_row.get(g, 0) + sequence_counts(r.chosen, len(gr.rows[g]), c.n_experts)
+            self._add_load(r.routed)
         aux_total = z_total = 0
-        for g, seq, xs, logits, probs, r in routed:
-            total = stats[gr.stats[g]]
-            aux, z = self._losses(logits, probs, total.to(probs.dtype) / total.sum())
+        for g, seq, xs, logits, scores, r in routed:
+            counts = per_row[g] if c.aux_loss == "sequence" and not logits.is_meta else stats[gr.stats[g]]
+            aux, z = self._losses(logits, scores, counts)
             aux_total, z_total = aux_total + aux / len(cells), z_total + z / len(cells)
             y = self._group(xs.reshape(-1, xs.shape[-1]), r).reshape(xs.shape)
             if out is None:

@@ -134,8 +134,13 @@ def parallelize_moe(parts: list, mesh, layout) -> MoEParallel:
                 parallelize_experts(part, ep_group)
     axes = ("dp", "cp", "tp") if slices > 1 else (("dp", "cp") if layout.cp > 1 else ("dp",))
     tokens = mesh.group(*axes)  # the ranks holding different tokens of a microbatch
+    # the ranks holding other parts of the same sequences (the sequence-wise balance loss's counts)
+    same = [a for a in axes if a != "dp"]
+    per_sequence = parts[0].config.aux_loss == "sequence" and (layout.cp > 1 or slices > 1)
+    sequences = mesh.group(*same) if per_sequence else None
     for part in parts:
         for layer in part.moe_layers():
             layer.stats_group = tokens if tokens.size > 1 else None  # f_i counted over the microbatch's ranks
+            layer.sequence_group = sequences
     aux = AuxLosses(parts, mesh.group("tp") if slices > 1 else None, mesh.group("pp") if layout.pp > 1 else None)
     return MoEParallel(edp, scale, aux)

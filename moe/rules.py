@@ -11,7 +11,7 @@ def problem(config, ep: int, dp: int, cp: int = 1) -> str | None:
     c = config
     if ep > 1 and not c.n_experts:
         return (f"ep={ep} shards experts, and the model has none (n_experts=0): choose an MoE preset (tiny-moe, "
-                f"small-moe, 1b-moe) or give --experts")
+                f"small-moe, 1b-moe, tiny-dsmoe, 1b-dsmoe) or give --experts")
     if ep > 1 and (dp * cp) % ep:
         return (f"ep={ep} must divide dp·cp = {dp}·{cp} = {dp * cp} (expert-parallel groups are carved from the "
                 f"data-parallel ranks); ep could be one of {divisors(dp * cp)}")

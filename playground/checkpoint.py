@@ -9,10 +9,10 @@ Format (version 1), in a folder:
 index.json: {"format": "playground-checkpoint", "version": 1, "step": steps taken, "data":
 "step000020", "model": GPTConfig fields, "layout": Layout fields, "run": dtype, seed, lr,
 "scalers": fp16 loss scalers, "files": {"rank0.bin": bytes, ...}, "pieces": [{"kind":
-"param" | "exp_avg" | "exp_avg_sq", "placement": {"name", "shape", "cuts"}, "file", "offset",
+"param" | "exp_avg" | "exp_avg_sq" | "buffer", "placement": {"name", "shape", "cuts"}, "file", "offset",
 "nbytes", "dtype", "shape"}]}. A piece is a local tensor: a parameter's weights (the master
-weights under mixed precision) or AdamW's moments, each placed in the reference by its
-Placement (model/placement.py). Replicas are written once (by the lowest rank holding the
+weights under mixed precision), AdamW's moments, or a "buffer" (optimizer-free state: the MoE
+layers' balancing biases), each placed in the reference by its Placement (model/placement.py). Replicas are written once (by the lowest rank holding the
 piece). No pickle is ever read: tensors are raw bytes, the index is JSON.
 
 Saving is atomic: the ranks write `rank<r>.bin.tmp` in a new step folder, rename them after
@@ -155,7 +155,8 @@ def read_index(directory: str, model: GPTConfig | None = None) -> dict:
                                   f"{p['file']} (the index does not match its files)")
     if model is not None:
         saved = index["model"]
-        shape_fields = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "n_experts", "moe_every")
+        shape_fields = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "n_experts", "moe_every",
+                        "expert_d_ff", "n_shared_experts")
         differ = [f"{k} {saved.get(k)} != {getattr(model, k)}" for k in shape_fields if saved.get(k) != getattr(model, k)]
         if differ:
             raise CheckpointError(f"{path}: a checkpoint of another model ({', '.join(differ)}: checkpoint != this run)")

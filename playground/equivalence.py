@@ -22,7 +22,10 @@ the reference's step made to the tensor, moments over max |reference|.
 Mixture of experts: the layout's ranks record each token group's routing decision; the
 reference replays a decision where its own differs only by a near-tie (model.moe.Replay),
 so that a verdict does not depend on how a machine rounds the last bit of a router logit;
-a difference beyond a tie is a problem, and fails.
+a difference beyond a tie is a problem, and fails. The balancing biases (optimizer-free
+state, "buffer" pieces) are gathered like the weights (replicas must agree bitwise), the
+reference starts each step from the layout's and moves them by its own load, and each is
+compared after the step ("bias" rows: within a few units of roundoff of its size).
 """
 from __future__ import annotations
 
@@ -41,11 +44,12 @@ from .tolerance import UNIT_ROUNDOFF, step_bounds, tolerances
 from .training import train
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
+BUFFER = "buffer"  # the MoE layers' balancing biases (ParallelModel.buffers)
 
 
 @dataclass
 class Row:
-    what: str  # "loss", "grad", "weight", "moments", "dropped"
+    what: str  # "loss", "grad", "weight", "moments", "bias", "dropped"
     name: str
     max_abs: float
     max_rel: float
@@ -133,9 +137,14 @@ def reference_steps(run: RunConfig, tol: dict, states: list, replays: list | Non
         layer.groups = groups
     taken = 0  # optimizer steps taken (the fp16 loss scaler may skip one)
     out = []
+    biases = {f"blocks.{layer.index}.mlp.expert_bias": layer for layer in model.moe_layers()
+              if layer.expert_bias is not None}
     for step in range(run.steps):
         state = states[step]
         with torch.no_grad():
+            for name, layer in biases.items():  # (a bias no rank holds is a problem of layout_states)
+                if name in state[BUFFER]:
+                    layer.expert_bias.copy_(state[BUFFER][name])
             for name, p in params.items():
                 p.copy_(state["param"][name])
                 opt.state[p] = {"step": step_count(opt, p, taken), "exp_avg": state["exp_avg"][name].clone(),
@@ -152,7 +161,10 @@ def reference_steps(run: RunConfig, tol: dict, states: list, replays: list | Non
             opt.step()
             taken += 1
         opt.zero_grad(set_to_none=True)
-        after = {"param": {n: p.detach().clone() for n, p in params.items()},
+        for layer in biases.values():
+            layer.update_bias()
+        after = {BUFFER: {n: layer.expert_bias.clone() for n, layer in biases.items()},
+                 "param": {n: p.detach().clone() for n, p in params.items()},
                  **{k: {n: opt.state[p][k].clone() for n, p in params.items()} for k in KINDS[1:] if taken}}
         bounds = None
         if tol["weight"] and not skipped:
@@ -201,13 +213,19 @@ def layout_states(res, run: RunConfig) -> tuple:
 
     def state(pieces_of, label, skipped=False):
         out = {"skipped": skipped}
-        for kind in KINDS:
+        for kind in KINDS + (BUFFER,):
             full, probs = assemble(pieces_of(kind))
             problems.extend(f"{label}: {kind}: {p}" for p in probs)
             out[kind] = full
         return out
     states.append(state(lambda kind: [[(pl, t) for k, pl, t in v["initial"] if k == kind] for v in res.values],
                         "before step 0"))
+    names = [f"blocks.{i}.mlp.expert_bias" for i in range(run.model.n_layers)
+             if run.model.is_moe(i) and run.model.bias_update_rate]
+    missing = [n for n in names if n not in states[0][BUFFER]]
+    if missing:
+        problems.append(f"{missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+                        + " held by no rank")
     for step in range(run.steps):
         full, probs = assemble(res.pieces("grads", step))
         problems.extend(f"gradients of step {step}: {p}" for p in probs)
@@ -322,7 +340,17 @@ def check(run: RunConfig) -> CheckReport:
                 ratio = _over(d, r["bounds"][name][kind]) if r["bounds"] is not None else None
                 what = "weight" if kind == "param" else "moments"
                 worst.setdefault((what, name), _Worst()).add(step, diff, rel, ratio)
-    for what in ("grad", "weight", "moments"):
+    unit = UNIT_ROUNDOFF[str(run.param_dtype).removeprefix("torch.")]
+    for step, r in enumerate(ref):  # the balancing biases: a sum of ±γ, rounded in the layout's dtype
+        for name, want in r["after"][BUFFER].items():
+            got = states[step + 1][BUFFER].get(name)
+            if got is None:
+                continue
+            diff = (got - want).abs().max().item()
+            size = want.abs().max().item() + run.model.bias_update_rate
+            worst.setdefault(("bias", name), _Worst()).add(step, diff, diff / size,
+                                                           None if tol["grad"] is None else diff / (8 * unit * size))
+    for what in ("grad", "weight", "moments", "bias"):
         for (w, name), acc in worst.items():
             if w == what:
                 rows.append(Row(what, name, acc.abs, acc.rel, acc.ratio, acc.step if run.steps > 1 else None))

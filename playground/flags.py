@@ -152,6 +152,8 @@ MEGATRON = {"--tensor-model-parallel-size": "--tp", "--pipeline-model-parallel-s
             "--sequence-parallel": "--sp", "--seq-length": "--seq-len", "--num-experts": "--experts",
             "--moe-router-topk": "--top-k", "--moe-expert-capacity-factor": "--capacity-factor",
             "--moe-aux-loss-coeff": "--aux-loss-coef", "--moe-z-loss-coeff": "--z-loss-coef",
+            "--moe-router-score-function": "--router", "--moe-router-bias-update-rate": "--bias-update-rate",
+            "--moe-ffn-hidden-size": "--expert-d-ff", "--moe-router-load-balancing-type": "--aux-loss",
             "--train-iters": "--steps", "--recompute-granularity": "--ac", "--use-distributed-optimizer": "--zero",
             "--num-layers-per-virtual-pipeline-stage": "--virtual-stages", "--global-batch": "--global-batch-size"}
 
@@ -246,6 +248,24 @@ def _layout_flags(p, verb: str) -> None:
                                                            "--moe-aux-loss-coeff) (default: 0.01)")
     m.add_argument("--z-loss-coef", type=real(0.0), help="ST-MoE router z-loss coefficient β (Megatron "
                                                          "--moe-z-loss-coeff) (default: 0.001)")
+    m.add_argument("--aux-loss", choices=("batch", "sequence"),
+                   help="the load-balancing loss's counts: over the microbatch (Switch) or per sequence "
+                        "(DeepSeek-V3; Megatron --moe-router-load-balancing-type aux_loss|seq_aux_loss) "
+                        "(default: the preset's, batch)")
+    m.add_argument("--router", choices=("softmax", "topk-softmax", "sigmoid"),
+                   help="softmax then top-k; the top-k logits then a softmax (Mixtral); or sigmoid scores with "
+                        "normalised top-k gates (DeepSeek-V3; Megatron --moe-router-score-function) "
+                        "(default: the preset's, softmax)")
+    m.add_argument("--bias-update-rate", type=real(0.0),
+                   help="auxiliary-loss-free balancing: a per-expert bias on the routing scores, moved this much per "
+                        "step towards the mean load; 0 for none (DeepSeek-V3's γ, 0.001; Megatron "
+                        "--moe-router-bias-update-rate with --moe-router-enable-expert-bias) (default: the preset's)")
+    m.add_argument("--shared-experts", type=whole(0),
+                   help="always-on shared experts beside the routed ones (DeepSeekMoE; Megatron "
+                        "--moe-shared-expert-intermediate-size = this × --expert-d-ff) (default: the preset's, 0)")
+    m.add_argument("--expert-d-ff", type=whole(1),
+                   help="each routed expert's SwiGLU width, narrower for fine-grained experts (Megatron "
+                        "--moe-ffn-hidden-size) (default: the preset's, d_ff)")
 
 
 def _training_flags(p, verb: str) -> None:

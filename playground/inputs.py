@@ -21,8 +21,11 @@ from .layout import Layout, LayoutError
 # the GPTConfig field each flag sets (a config error names the flag the user typed)
 FIELD_FLAGS = {"n_experts": "--experts", "top_k": "--top-k", "moe_every": "--moe-every",
                "capacity_factor": "--capacity-factor", "aux_loss_coef": "--aux-loss-coef",
-               "z_loss_coef": "--z-loss-coef", "seq_len": "--seq-len"}
-MOE_FLAGS = ("--top-k", "--moe-every", "--capacity-factor", "--dropless", "--aux-loss-coef", "--z-loss-coef")
+               "z_loss_coef": "--z-loss-coef", "seq_len": "--seq-len", "aux_loss": "--aux-loss", "router": "--router",
+               "bias_update_rate": "--bias-update-rate", "n_shared_experts": "--shared-experts",
+               "expert_d_ff": "--expert-d-ff"}
+MOE_FLAGS = ("--top-k", "--moe-every", "--capacity-factor", "--dropless", "--aux-loss-coef", "--z-loss-coef",
+             "--aux-loss", "--router", "--bias-update-rate", "--shared-experts", "--expert-d-ff")
 
 
 class InputError(ValueError):
@@ -148,7 +151,11 @@ def _model(args, typed: set):
     overrides = {k: v for k, v in (("seq_len", args.seq_len), ("n_experts", args.experts),
                                    ("moe_every", args.moe_every), ("top_k", args.top_k),
                                    ("capacity_factor", args.capacity_factor), ("aux_loss_coef", args.aux_loss_coef),
-                                   ("z_loss_coef", args.z_loss_coef)) if v is not None}
+                                   ("z_loss_coef", args.z_loss_coef), ("aux_loss", args.aux_loss),
+                                   ("router", args.router.replace("-", "_") if args.router else None),
+                                   ("bias_update_rate", args.bias_update_rate),
+                                   ("n_shared_experts", args.shared_experts), ("expert_d_ff", args.expert_d_ff))
+                 if v is not None}
     if args.dropless:
         overrides["capacity_factor"] = 0.0
     extra = model_config(args.model_config)

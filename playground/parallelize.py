@@ -39,6 +39,7 @@ import torch
 
 from activation_checkpointing import checkpoint_blocks
 from model.gpt import CrossEntropy
+from model.placement import Placement
 from moe import parallelize_moe
 from pipeline import PipelineExecutor, build_schedule, split_stages
 from sequence_parallel import parallelize_context, shard_sequence
@@ -119,7 +120,16 @@ class ParallelModel:
         return [layer for m in self.parts for layer in m.moe_layers()]
 
     def step(self) -> None:
+        """The optimizer's step, then each MoE layer's balancing bias from the step's load."""
         self.optimizer.step()
+        for layer in self.moe_layers:
+            layer.update_bias()
+
+    def buffers(self) -> list:
+        """[(Placement, tensor)]: the optimizer-free state this rank holds, the MoE layers'
+        balancing biases (replicated on every rank holding the layer)."""
+        return [(Placement(f"blocks.{layer.index}.mlp.expert_bias", tuple(layer.expert_bias.shape), ()),
+                 layer.expert_bias) for layer in self.moe_layers if layer.expert_bias is not None]
 
     def pieces(self, what: str) -> list:
         """[(Placement, CPU float64 copy)] of the weights ("param") or the reduced gradients
@@ -130,12 +140,16 @@ class ParallelModel:
         return self.optimizer.state_tensors()
 
     def state_pieces(self) -> list:
-        """[(kind, Placement, tensor)] this rank holds: weights and optimizer moments (checkpoints)."""
-        return self.optimizer.state_pieces()
+        """[(kind, Placement, tensor)] this rank holds: weights and optimizer moments, and the
+        "buffer"s (`buffers`) (checkpoints)."""
+        return self.optimizer.state_pieces() + [("buffer", pl, t) for pl, t in self.buffers()]
 
     def load_state(self, fill, step: int) -> None:
-        """Set every local weight and moment from `fill(kind, placement)`; AdamW's step count."""
+        """Set every local weight, moment and buffer from `fill(kind, placement)`; AdamW's step count."""
         self.optimizer.load_state(fill, step)
+        with torch.no_grad():
+            for pl, t in self.buffers():
+                t.copy_(fill("buffer", pl))
 
 
 def compile_blocks(model, backend: str = "inductor") -> None:

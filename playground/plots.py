@@ -235,23 +235,36 @@ def pipeline_schedule(res, path: str) -> None:
 
 def expert_load(res, path: str) -> None:
     """Tokens routed to each expert over the steps, over the mean, one heatmap per MoE block
-    on one shared colour scale (one colour bar for all)."""
+    on one shared colour scale (one colour bar for all); with a balancing bias, beside each
+    its bias per expert after each step (a diverging scale, zero white)."""
     steps = res.moe_steps()
     layers = sorted(steps[0])
     loads = {index: [[n / (sum(st[index]["routed"]) / len(st[index]["routed"])) for n in st[index]["routed"]]
                      for st in steps] for index in layers}
+    biased = all(st[index].get("bias") is not None for st in steps for index in layers)
     top = max(x for load in loads.values() for row in load for x in row)
-    fig, axes = plt.subplots(len(layers), 1, figsize=(max(6, 0.25 * len(steps) + 3), 1.2 + 1.1 * len(layers)),
+    reach = max((abs(b) for st in steps for index in layers for b in st[index].get("bias") or []), default=0) or 1e-3
+    cols = 2 if biased else 1
+    fig, axes = plt.subplots(len(layers), cols, figsize=(cols * max(6, 0.25 * len(steps) + 3), 1.2 + 1.1 * len(layers)),
                              squeeze=False, sharex=True)
-    im = None
-    for ax, index in zip(axes[:, 0], layers):
+    im = bias_im = None
+    extent = (0.5, len(steps) + 0.5, -0.5, res.run.model.n_experts - 0.5)
+    for row, index in zip(axes, layers):
         load = loads[index]
-        im = ax.imshow(list(map(list, zip(*load))), aspect="auto", cmap="viridis", origin="lower", vmin=0, vmax=top,
-                       extent=(0.5, len(steps) + 0.5, -0.5, len(load[0]) - 0.5))
-        ax.set_ylabel(f"block {index}\nexpert")
+        im = row[0].imshow(list(map(list, zip(*load))), aspect="auto", cmap="viridis", origin="lower", vmin=0,
+                           vmax=top, extent=extent)
+        row[0].set_ylabel(f"block {index}\nexpert")
+        if biased:
+            bias = [st[index]["bias"] for st in steps]
+            bias_im = row[1].imshow(list(map(list, zip(*bias))), aspect="auto", cmap="coolwarm", origin="lower",
+                                    vmin=-reach, vmax=reach, extent=extent)
     fig.colorbar(im, ax=list(axes[:, 0]), label="load / mean (one scale for every block)")
-    axes[-1, 0].set_xlabel("step")
-    axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
+    if biased:
+        fig.colorbar(bias_im, ax=list(axes[:, 1]), label="bias after the step")
+        axes[0, 1].set_title(f"balancing bias (moved {res.run.model.bias_update_rate:g} a step)", fontsize=9)
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle("Tokens routed to each expert (over every rank, before the capacity), over the mean", fontsize=9)
     _save(fig, path)
 

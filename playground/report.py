@@ -134,9 +134,21 @@ def moe_table(res) -> str:
     rows += [row(f"step {len(steps)}", f"block {index}", [st]) for index, st in steps[-1].items()]
     c = res.run.model
     cf = f"capacity factor {c.capacity_factor:g}" if c.capacity_factor else "dropless"
-    return (f"\nexperts: {c.n_experts} per MoE block, top-{c.top_k}, {cf} (tokens routed per expert over every rank "
-            f"before the capacity; dropped: assignments past an expert's capacity in a rank's token group):\n"
-            + table(["", "layer", "min", "mean", "max", "max/mean", "dropped", "aux loss", "z loss"], rows))
+    header = ["", "layer", "min", "mean", "max", "max/mean", "dropped", "aux loss", "z loss"]
+    biased = c.bias_update_rate > 0
+    if biased:  # the balancing bias after the step: its spread over the experts
+        header += ["bias min", "bias max"]
+        for r, k in zip(rows, shown + [len(steps) - 1] * len(steps[-1])):
+            step_layers = list(steps[k].values()) if r[1] == "all" else [steps[k][int(r[1].split()[1])]]
+            values = [b for st in step_layers for b in st.get("bias") or []]
+            r += [f"{min(values):+.4f}", f"{max(values):+.4f}"] if values else ["-", "-"]
+    shared = f", {c.n_shared_experts} shared" if c.n_shared_experts else ""
+    width = f" of width {c.expert_width}" if c.expert_d_ff else ""
+    how = f"{c.router.replace('_', '-')} router" + (f", bias moved {c.bias_update_rate:g} a step" if biased else "") \
+        + f", {c.aux_loss}-wise balance loss"
+    return (f"\nexperts: {c.n_experts}{width} per MoE block{shared}, top-{c.top_k}, {cf}, {how} (tokens routed per "
+            f"expert over every rank before the capacity; dropped: assignments past an expert's capacity in a rank's "
+            f"token group):\n" + table(header, rows))
 
 
 def schedule_table(layout) -> str:
@@ -250,6 +262,7 @@ def check_summary(rep, verbose: bool = True) -> str:
             continue
         if verbose or not r.ok or r.what == "loss":
             rule = ("per element" if tol["weight"] else "not judged") if r.what in ("weight", "moments") else \
+                ("8 units" if r.ok or r.ratio is not None else "not judged") if r.what == "bias" else \
                 (f"{tol[r.what]:.1e}" if tol[r.what] is not None else "not judged")
             rows.append([r.what, r.label, f"{r.max_abs:.3e}", f"{r.max_rel:.3e}", rule, _of_tolerance(r),
                          "ok" if r.ok else "FAIL"])
@@ -259,11 +272,12 @@ def check_summary(rep, verbose: bool = True) -> str:
                  "loss and gradients are judged against the tolerance, each element of the weights and AdamW's "
                  "moments against what AdamW can make of gradients within theirs; of tolerance: the worst error over "
                  "its tolerance, at most 1 passes; dropped: tokens the experts' capacity dropped, the difference in "
-                 "count)")
+                 "count" + ("; bias: each MoE layer's balancing bias after the step, judged within 8 units of "
+                        "roundoff of its size" if run.model.bias_update_rate else "") + ")")
     if rep.ties:
         what = f"{rep.tied} assignment(s) kept otherwise" if rep.tied else "equal-priority assignments in another order"
         lines.append(f"routing: {rep.ties} token group(s) broke a near-tie otherwise than one device ({what}; router "
-                     f"probabilities within {tol['routing']:.1e}); the reference replayed the layout's decisions there")
+                     f"scores within {tol['routing']:.1e}); the reference replayed the layout's decisions there")
     for p in rep.problems:
         lines.append(f"PROBLEM: {p}")
     unjudged = [w for w in ("grad", "weight") if not tol.get(w)]

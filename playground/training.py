@@ -224,8 +224,9 @@ class TrainResult:
 
     def moe_steps(self) -> list:
         """Per step, per MoE layer: routing statistics summed over the ranks (pre-drop
-        assignments per expert, assignments, dropped) and the auxiliary and z losses averaged
-        over the ranks that hold the layer."""
+        assignments per expert, assignments, dropped), the auxiliary and z losses averaged
+        over the ranks that hold the layer, and with a balancing bias its value after the step
+        ("bias", per expert)."""
         out = []
         for step in range(len(self.losses)):
             layers: dict = {}
@@ -240,6 +241,8 @@ class TrainResult:
                     acc["aux"] += st["aux"]
                     acc["z"] += st["z"]
                     acc["ranks"] += 1
+                    if st.get("bias") is not None:  # (the same on every rank holding the layer)
+                        acc["bias"] = st["bias"]
             for acc in layers.values():
                 acc["aux"] /= acc["ranks"]
                 acc["z"] /= acc["ranks"]

@@ -8,7 +8,9 @@ code) stays the reference's.
   pre-hook on the attention; the output projection row-parallel, ending in g;
 - MLP: gate and up column-parallel behind one f, down row-parallel ending in g;
 - MoE blocks (with sequence parallelism only): the experts stay whole, each TP rank routing
-  its slice of the sequence; the router's weight enters through f (its gradient summed);
+  its slice of the sequence; the router's weight enters through f (its gradient summed), and
+  so do the shared experts' (whole on every TP rank, each applying them to its slice: no
+  activation crosses the TP group for them, only their gradients are summed);
 - embedding: vocabulary-parallel (ending in g); head: column-parallel over the vocabulary
   (f before it); loss: the vocabulary-parallel cross-entropy, so the logits are never
   gathered.
@@ -57,6 +59,22 @@ class SequenceParallelRouter(nn.Module):
         return nn.functional.linear(x, copy_to_tp(self.weight, self.group, "tp.sp_router_grads"))
 
 
+class SequenceParallelSharedExperts(nn.Module):
+    """An MoE layer's shared experts (a SwiGLU) under sequence parallelism: whole on each TP
+    rank, applied to its slice of the sequence, so their weights enter through f and their
+    partial gradients are summed, as the router's."""
+
+    def __init__(self, mlp: nn.Module, group):
+        super().__init__()
+        self.w_gate, self.w_up, self.w_down, self.group = mlp.w_gate, mlp.w_up, mlp.w_down, group
+
+    def forward(self, x):
+        gate, up, down = (copy_to_tp(m.weight, self.group, "tp.sp_shared_grads")
+                          for m in (self.w_gate, self.w_up, self.w_down))
+        return nn.functional.linear(nn.functional.silu(nn.functional.linear(x, gate)) * nn.functional.linear(x, up),
+                                    down)
+
+
 class SequenceParallelRMSNorm(RMSNorm):
     """The reference RMSNorm over a slice of the sequence: its weight enters through f, so
     the partial gradients of the TP ranks are summed (all-reduce backward)."""
@@ -91,6 +109,8 @@ def parallelize_tensor(model, group, sequence_parallel: bool = False):
                 raise ValueError("tensor parallelism of MoE blocks needs sequence parallelism: each TP rank routes "
                                  "its slice of the sequence (the tokens are not duplicated before dispatch)")
             block.mlp.router = SequenceParallelRouter(block.mlp.router, group)  # experts stay whole
+            if block.mlp.shared is not None:
+                block.mlp.shared = SequenceParallelSharedExperts(block.mlp.shared, group)
         for part, module, columns, row in (("attn", block.attn, ("wq", "wk", "wv"), "wo"),
                                            ("mlp", block.mlp, ("w_gate", "w_up"), "w_down"))[:1 if moe else 2]:
             enter_label, exit_label = _labels(part, sp)

@@ -229,7 +229,7 @@ def test_the_check_catches_a_layout_that_routes_by_another_rule(bug, monkeypatch
     decisions are not what the rule gives on their own probabilities, a routing problem."""
     monkeypatch.setattr(mm, "choose", _layout_side(bug, choose))
     rep = check(_run(steps=1, dp=2, ep=2))
-    assert not rep.passed and any("not what its own probabilities give" in p for p in rep.problems)
+    assert not rep.passed and any("not what its own scores give" in p for p in rep.problems)
 
 
 # -- sabotage (expert parallelism) ------------------------------------------------------------------
@@ -282,8 +282,8 @@ def test_all_to_all_bytes_are_the_tokens_routed_off_the_rank(monkeypatch):
     real = mm.route
     seen: dict = {}
 
-    def spy(logits, c):
-        probs, r = real(logits, c)
+    def spy(logits, c, bias=None):
+        probs, r = real(logits, c, bias)
         seen.setdefault(threading.current_thread().name, []).append(r.counts.clone())
         return probs, r
     monkeypatch.setattr(mm, "route", spy)
