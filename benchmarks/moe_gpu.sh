@@ -6,8 +6,10 @@
 # rounds (default 3), each running the three in turn, the next round in another order; then
 # a torch profile of each (benchmarks/gpu_profile.py: host and device time per steady step)
 # and the host syncs of one MoE layer's forward and backward on this tree (CUDA's sync debug
-# mode, which warns at each). DIR "-": no earlier tree. A third argument `compile` adds one
-# run of each model with --compile (each block's body through torch.compile). Logs and JSON
+# mode, which warns at each). DIR "-": no earlier tree. A third argument, a comma-separated
+# list, adds: `compile`, one run of each model with --compile (each block's body through
+# torch.compile); `dsmoe`, two rounds of 1b-dsmoe (16 experts of half the width, top-4, one
+# shared) against its dense model of the same active FLOPs (d_ff 5 × 1368 = 6840). Logs and JSON
 # in $LOGS, packed into $OUT/gpu_logs.tgz; benchmarks/gpu_runs.py packs them for the
 # repository.
 set -uo pipefail
@@ -17,6 +19,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$LOGS/gpus
 flags=(--dtype bfloat16 --steps 10 --micro-batch-size 4)
 side() {  # which (old|moe|dense), name
   case $1 in
+    ds) run "$2" 1 300 train --model 1b-dsmoe "${flags[@]}" --json "$LOGS/$2.json" ;;
+    dsdense) run "$2" 1 240 train --model 1b-dsmoe --model-config n_experts=0,d_ff=6840 "${flags[@]}" \
+               --json "$LOGS/$2.json" ;;
     old) (cd "$old" && export PYTHONPATH="$old" && run "$2" 1 240 train --model 1b-moe "${flags[@]}" --json "$LOGS/$2.json") ;;
     moe) run "$2" 1 240 train --model 1b-moe "${flags[@]}" --json "$LOGS/$2.json" ;;
     dense) run "$2" 1 240 train --model 1b-moe --model-config n_experts=0,d_ff=5472 "${flags[@]}" --json "$LOGS/$2.json" ;;
@@ -29,7 +34,12 @@ for r in $(seq 1 "$rounds"); do
     side "$which" "${which}_$r"
   done
 done
-if [ "$extra" = compile ]; then
+if [[ ",$extra," == *,dsmoe,* ]]; then
+  for which in ds dsdense dsdense ds; do
+    n=$(ls "$LOGS" | grep -c "^${which}_[0-9]*.log$"); side "$which" "${which}_$((n + 1))"
+  done
+fi
+if [[ ",$extra," == *,compile,* ]]; then
   run moe_compile 1 300 train --model 1b-moe "${flags[@]}" --compile --json "$LOGS/moe_compile.json"
   run dense_compile 1 300 train --model 1b-moe --model-config n_experts=0,d_ff=5472 "${flags[@]}" --compile \
     --json "$LOGS/dense_compile.json"

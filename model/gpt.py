@@ -8,12 +8,11 @@ every strategy maps its shards to (`blocks.3.attn.wq.weight`).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .compiled import fused_on
 from .config import GPTConfig
 from .dropout import dropout, dropout_generator, seed_dropout
 from .regions import fused_kernel
@@ -125,18 +124,6 @@ def _causal_softmax_backward(p, g, scale: float):
     return (scale * pf * (gf - (gf * pf).sum(-1, keepdim=True))).to(p.dtype)
 
 
-@functools.cache
-def _compiled(fn):
-    """`fn` through torch.compile (Inductor fuses its passes into one kernel), made once per
-    function, on first use."""
-    return torch.compile(fn, dynamic=False)
-
-
-def _fused_on(fn, t):
-    """`fn` as it runs on `t`'s device: compiled on CUDA, op by op elsewhere."""
-    return _compiled(fn) if t.is_cuda else fn
-
-
 class ScaledCausalSoftmax(torch.autograd.Function):
     """softmax(scale · scores) over each query's past (the future masked out), as
     Megatron-LM's fused scale-mask-softmax kernel for causal masks computes it (Narayanan et
@@ -151,7 +138,7 @@ class ScaledCausalSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, scale: float):
         with fused_kernel(2 * scores.nbytes, "_fused_scale_mask_softmax"):
-            p = _fused_on(_causal_softmax, scores)(scores, scale)
+            p = fused_on(_causal_softmax, scores)(scores, scale)
         ctx.save_for_backward(p)
         ctx.scale = scale
         return p
@@ -160,7 +147,7 @@ class ScaledCausalSoftmax(torch.autograd.Function):
     def backward(ctx, g):
         p, = ctx.saved_tensors
         with fused_kernel(3 * p.nbytes, "_fused_scale_mask_softmax_backward"):
-            d = _fused_on(_causal_softmax_backward, p)(p, g, ctx.scale)
+            d = fused_on(_causal_softmax_backward, p)(p, g, ctx.scale)
         return d, None
 
 

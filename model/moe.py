@@ -56,6 +56,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .compiled import fused_on
+
 
 @dataclass
 class TokenGroups:
@@ -213,14 +215,28 @@ class Experts(nn.Module):
         return torch.cat(out) if out else x[:0]
 
     def _grouped(self, x, counts):
-        counts = torch.as_tensor(counts, device=x.device)
-        ends = torch.cumsum(counts, 0, dtype=torch.int32)
-        dtype = torch.bfloat16
-        x = x.to(dtype)
+        return grouped_swiglu(x, torch.as_tensor(counts, device=x.device), self.w_gate, self.w_up, self.w_down)
 
-        def gmm(a, w):  # a (N, in) @ each expert's w (out, in)ᵀ, over its rows
-            return torch._grouped_mm(a, w.to(dtype).transpose(-2, -1), offs=ends)
-        return gmm(F.silu(gmm(x, self.w_gate)) * gmm(x, self.w_up), self.w_down)
+
+def grouped_swiglu(x, counts, w_gate, w_up, w_down):
+    """The experts' SwiGLU on rows x (N, d) sorted expert-major, `counts` (E,) rows each: three
+    bf16 grouped GEMMs, each expert's rows the range its counts' running sum ends."""
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)
+    dtype = torch.bfloat16
+    x = x.to(dtype)
+
+    def gmm(a, w):  # a (N, in) @ each expert's w (out, in)ᵀ, over its rows
+        return torch._grouped_mm(a, w.to(dtype).transpose(-2, -1), offs=ends)
+    return gmm(F.silu(gmm(x, w_gate)) * gmm(x, w_up), w_down)
+
+
+def local_experts(x, tokens, gates, counts, w_gate, w_up, w_down):
+    """A token group's routed output (T, d) from experts held here, by grouped GEMMs: the rows
+    gathered expert-major, the experts applied, each row weighed by its gate and added to its
+    token (what a GPU compiles: `MoE._group`)."""
+    y = grouped_swiglu(x[tokens], counts, w_gate, w_up, w_down)
+    out = x.new_zeros(x.shape, dtype=y.dtype)  # (under autocast the experts' dtype, as a dense MLP's)
+    return out.index_add(0, tokens, y * gates.unsqueeze(-1).to(y.dtype))
 
 
 def capacity(c, tokens: int) -> int | None:
@@ -364,6 +380,32 @@ def selection_scores(scores, bias):
     return scores.detach() if bias is None else scores.detach() + bias.to(scores.dtype)
 
 
+def static_route(logits, bias, c) -> tuple:
+    """(scores, *Routing's fields) of one token group, in shapes that do not depend on the
+    values: dropless, every assignment in `choose`'s order; with a capacity, `static_routing`.
+    What a GPU compiles (`MoE.forward`)."""
+    scores = router_scores(logits, c)
+    selection = selection_scores(scores, bias)
+    r = static_routing(scores, selection, c) if c.capacity_factor else routing(scores, choose(selection, c), c)
+    return scores, r.tokens, r.gates, r.counts, r.routed, r.dropped, r.chosen
+
+
+def balance_losses(logits, scores, counts, c) -> tuple:
+    """α · E · Σ f_i P_i and β · mean(logsumexp²) of one token group. counts: the assignments
+    per expert (E,) that make f_i (aux_loss "batch"), or per sequence and expert (rows, E),
+    each sequence's f_i and P_i then taken alone and the products averaged over them."""
+    frac = counts.to(scores.dtype).to(scores.device)
+    frac = frac / frac.sum(dim=-1, keepdim=True)
+    p = balance_probs(scores, c)
+    if counts.dim() == 1:
+        aux = c.aux_loss_coef * c.n_experts * (frac * p.mean(dim=0)).sum()
+    else:  # DeepSeek-V3's sequence-wise balance loss (eqs. 17-20)
+        per_seq = p.reshape(counts.shape[0], -1, c.n_experts).mean(dim=1)
+        aux = c.aux_loss_coef * c.n_experts * (frac * per_seq).sum(dim=-1).mean()
+    z = c.z_loss_coef * torch.logsumexp(logits.to(scores.dtype), dim=-1).pow(2).mean()
+    return aux, z
+
+
 def route(logits, c, bias=None) -> tuple:
     """(scores, Routing) of one token group from its router logits (T, E) and the balancing
     bias (E,) or None."""
@@ -439,9 +481,14 @@ class MoE(nn.Module):
 
     def _group(self, x, routing: Routing):
         """The experts' outputs combined for the group's tokens x (T, d), the shared experts' added."""
-        y = self._apply_experts(x[routing.tokens], routing.counts)
-        out = x.new_zeros(x.shape, dtype=y.dtype)  # (under autocast the experts' dtype, as a dense MLP's)
-        out = out.index_add(0, routing.tokens, y * routing.gates.unsqueeze(-1).to(y.dtype))
+        e = self.experts
+        if self.dispatch is None and grouped_mm_applies(x, e.w_gate):  # (one compiled region on a GPU)
+            out = fused_on(local_experts, x)(x, routing.tokens, routing.gates, routing.counts, e.w_gate, e.w_up,
+                                             e.w_down)
+        else:
+            y = self._apply_experts(x[routing.tokens], routing.counts)
+            out = x.new_zeros(x.shape, dtype=y.dtype)  # (under autocast the experts' dtype, as a dense MLP's)
+            out = out.index_add(0, routing.tokens, y * routing.gates.unsqueeze(-1).to(y.dtype))
         return out if self.shared is None else out + self.shared(x)
 
     def _route(self, logits):
@@ -483,22 +530,6 @@ class MoE(nn.Module):
                                          f"assignments routed otherwise ({why})")
         return scores, routing(scores, own, c)
 
-    def _losses(self, logits, scores, counts):
-        """α · E · Σ f_i P_i and β · mean(logsumexp²) of one group. counts: the assignments per
-        expert (E,) that make f_i (aux_loss "batch"), or per sequence and expert (rows, E),
-        each sequence's f_i and P_i then taken alone and the products averaged over them."""
-        c = self.config
-        frac = counts.to(scores.dtype).to(scores.device)
-        frac = frac / frac.sum(dim=-1, keepdim=True)
-        p = balance_probs(scores, c)
-        if counts.dim() == 1:
-            aux = c.aux_loss_coef * c.n_experts * (frac * p.mean(dim=0)).sum()
-        else:  # DeepSeek-V3's sequence-wise balance loss (eqs. 17-20)
-            per_seq = p.reshape(counts.shape[0], -1, c.n_experts).mean(dim=1)
-            aux = c.aux_loss_coef * c.n_experts * (frac * per_seq).sum(dim=-1).mean()
-        z = c.z_loss_coef * torch.logsumexp(logits.to(scores.dtype), dim=-1).pow(2).mean()
-        return aux, z
-
     def _record(self, aux, z, routed, dropped) -> None:
         """Keep a call's losses and counts for the step's record (MoEStats: summed when read,
         so a call launches no kernel for it)."""
@@ -512,9 +543,11 @@ class MoE(nn.Module):
             b, s, d = x.shape
             flat = x.reshape(b * s, d)
             logits = self.router(flat)
-            if c.capacity_factor and self.dispatch is None and not self.record and not logits.is_meta:
-                scores = router_scores(logits, c)  # (the dispatch needs the compact kept rows and their sizes)
-                r = static_routing(scores, selection_scores(scores, self.expert_bias), c)
+            # in static shapes (compiled on a GPU) unless recording, planning, or sending a
+            # capacity's kept rows to other ranks (the dispatch needs the compact rows and their sizes)
+            if not (self.record or logits.is_meta or (c.capacity_factor and self.dispatch is not None)):
+                scores, *fields = fused_on(static_route, logits)(logits, self.expert_bias, c)
+                r = Routing(*fields)
             else:
                 scores, r = self._route(logits)
             total = r.routed.clone()  # (on meta: the balanced counts, on the CPU)
@@ -526,7 +559,7 @@ class MoE(nn.Module):
                 counts = sequence_counts(r.chosen, b, c.n_experts)
                 if self.sequence_group is not None:
                     self.sequence_group.all_reduce(counts, label="moe.aux_counts_seq")
-            aux, z = self._losses(logits, scores, counts)
+            aux, z = fused_on(balance_losses, logits)(logits, scores, counts, c)
             out = self._group(flat, r).reshape(b, s, d)
             self._record(aux * self.aux_scale, z * self.aux_scale, r.routed, r.dropped)
             return _AddAuxLoss.apply(out, (aux + z) * self.aux_scale)
@@ -553,7 +586,7 @@ class MoE(nn.Module):
         aux_total = z_total = 0
         for g, seq, xs, logits, scores, r in routed:
             counts = per_row[g] if c.aux_loss == "sequence" and not logits.is_meta else stats[gr.stats[g]]
-            aux, z = self._losses(logits, scores, counts)
+            aux, z = balance_losses(logits, scores, counts, c)
             aux_total, z_total = aux_total + aux / len(cells), z_total + z / len(cells)
             y = self._group(xs.reshape(-1, xs.shape[-1]), r).reshape(xs.shape)
             if out is None:

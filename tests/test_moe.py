@@ -430,3 +430,47 @@ def test_routing_in_static_shapes_equals_routing_the_kept_rows(cf):
     assert torch.allclose(y1, y2, rtol=1e-13, atol=1e-15) and torch.allclose(gx1, gx2, rtol=1e-12, atol=1e-14)
     for a, b in zip(gp1, gp2):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cf", [0.0, 1.0])
+def test_the_regions_a_gpu_compiles_compile_whole_and_equal_the_eager_layer(cf, monkeypatch):
+    """What a GPU runs through torch.compile (the routing in static shapes, the balancing
+    losses, the local experts' gather, grouped GEMMs and combine) compiles as one graph each
+    (fullgraph: a graph break would fall back to op by op, silently slower), here on the CPU,
+    and the layer's output and gradients equal the eager layer's."""
+    import dataclasses
+
+    import model.moe as moe_module
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    cfg = dataclasses.replace(preset("tiny-dsmoe"), capacity_factor=cf, aux_loss="batch", aux_loss_coef=0.01)
+    torch.manual_seed(0)
+    layer = MoE(cfg).to(torch.bfloat16)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    layer.expert_bias = torch.linspace(-0.01, 0.01, cfg.n_experts)
+    x = torch.randn(2, 16, cfg.d_model, dtype=torch.bfloat16)
+    monkeypatch.setattr(moe_module, "grouped_mm_applies", lambda x, w: True)
+    got = {}
+    for fused in (False, True):
+        monkeypatch.setattr(moe_module, "fused_on", lambda fn, t: torch.compile(fn, fullgraph=True, dynamic=False)
+                            if fused else fn)
+        layer.stats = mm.MoEStats()
+        for p in layer.parameters():
+            p.grad = None
+        xi = x.clone().requires_grad_()
+        try:
+            y = layer(xi)
+        except RuntimeError as e:  # (a CPU build without the kernel)
+            if "grouped" not in str(e):
+                raise
+            pytest.skip(f"torch._grouped_mm does not run here: {e}")
+        (y.float() * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
+        got[fused] = (y.detach().float(), xi.grad.float(), [p.grad.float() for p in layer.parameters()],
+                      layer.stats.resolved())
+    (y1, gx1, gp1, st1), (y2, gx2, gp2, st2) = got[False], got[True]
+    assert st1.routed == st2.routed and st1.dropped == st2.dropped
+    assert torch.allclose(y1, y2, rtol=2e-2, atol=2e-2) and torch.allclose(gx1, gx2, rtol=3e-2, atol=3e-2)
+    for a, b in zip(gp1, gp2):
+        assert torch.allclose(a, b, rtol=3e-2, atol=3e-2)

@@ -10,7 +10,7 @@ import torch
 
 import model.moe as mm
 from model import GPT, preset
-from model.moe import MoE, MoEStats, route, router_scores, sequence_counts
+from model.moe import MoE, MoEStats, balance_losses, route, router_scores, sequence_counts
 from playground import Layout, RunConfig, check, train
 
 BASE = preset("tiny-moe", vocab_size=61)  # 2 blocks, both MoE, 4 experts, top-2, capacity factor 1
@@ -148,7 +148,7 @@ def test_sequence_wise_balance_loss_is_the_mean_over_sequences_of_f_times_p():
     scores, r = route(logits, cfg)
     counts = sequence_counts(r.chosen, rows, 4)
     assert counts.sum(-1).tolist() == [T * 2] * rows
-    aux, _ = MoE(cfg)._losses(logits, scores, counts)
+    aux, _ = balance_losses(logits, scores, counts, cfg)
     want = 0.0
     for s in range(rows):
         chosen = r.chosen[s * T:(s + 1) * T]
