@@ -233,8 +233,10 @@ def grouped_swiglu(x, counts, w_gate, w_up, w_down):
 def local_experts(x, tokens, gates, counts, w_gate, w_up, w_down):
     """A token group's routed output (T, d) from experts held here, by grouped GEMMs: the rows
     gathered expert-major, the experts applied, each row weighed by its gate and added to its
-    token (what a GPU compiles: `MoE._group`)."""
-    y = grouped_swiglu(x[tokens], counts, w_gate, w_up, w_down)
+    token (what a GPU compiles: `MoE._group`). The gather is an index_select, whose backward
+    is a scatter-add (x[tokens]'s is an accumulating index_put, which sorts the indices: 5 ms
+    of a 1b-moe step on an H200)."""
+    y = grouped_swiglu(x.index_select(0, tokens), counts, w_gate, w_up, w_down)
     out = x.new_zeros(x.shape, dtype=y.dtype)  # (under autocast the experts' dtype, as a dense MLP's)
     return out.index_add(0, tokens, y * gates.unsqueeze(-1).to(y.dtype))
 
@@ -486,7 +488,7 @@ class MoE(nn.Module):
             out = fused_on(local_experts, x)(x, routing.tokens, routing.gates, routing.counts, e.w_gate, e.w_up,
                                              e.w_down)
         else:
-            y = self._apply_experts(x[routing.tokens], routing.counts)
+            y = self._apply_experts(x.index_select(0, routing.tokens), routing.counts)
             out = x.new_zeros(x.shape, dtype=y.dtype)  # (under autocast the experts' dtype, as a dense MLP's)
             out = out.index_add(0, routing.tokens, y * routing.gates.unsqueeze(-1).to(y.dtype))
         return out if self.shared is None else out + self.shared(x)
