@@ -10,7 +10,8 @@
    sequence (α = 0.01); the auxiliary-loss-free bias alone (γ = 0.001, Wang et al. 2024);
    and DeepSeek-V3's recipe (sigmoid router, bias γ = 0.001, sequence-wise loss α = 0.0001):
    dropped, max/mean load (median and worst over the last quarter of the steps and every MoE
-   layer), the spread of the final biases, and the final loss.
+   layer), the spread of the final biases, and the final loss, with and without the
+   auxiliary and z losses (the language model's own, comparable across methods).
 3. Expert parallelism (the same model, cf 1.0, α = 0.01, dp 8, ep 1, 2, 4, 8, simulated on
    h100-sxm): bytes each rank sends per step by the token dispatch and combine (`moe.*`) and
    in all, the simulated step and its exposed communication, the model states per rank.
@@ -48,8 +49,10 @@ def _trained(cfg, steps: int) -> tuple:
     dropped = sum(st["dropped"] for s in tail for st in s.values()) / sum(st["assignments"] for s in tail
                                                                           for st in s.values())
     imbalance = [max(st["routed"]) / (sum(st["routed"]) / len(st["routed"])) for s in tail for st in s.values()]
+    # the language-model loss alone: the reported loss less the layers' auxiliary and z losses
+    lm = res.losses[-1] - sum(st["aux"] + st["z"] for st in res.moe_steps()[-1].values())
     return res, {"dropped": dropped, "max_over_mean": median(imbalance), "worst_max_over_mean": max(imbalance),
-                 "final_loss": res.losses[-1], "loss_floor": res.loss_floor}
+                 "final_loss": res.losses[-1], "final_lm_loss": lm, "loss_floor": res.loss_floor}
 
 
 def routing(cf: float, aux: float, steps: int) -> dict:
@@ -140,12 +143,12 @@ def main():
         balanced.append(m)
         rows.append([name, f"{100 * m['dropped']:.1f}%", f"{m['max_over_mean']:.2f}", f"{m['worst_max_over_mean']:.2f}",
                      f"{m['bias_min']:+.3f} .. {m['bias_max']:+.3f}" if m["bias_min"] is not None else "-",
-                     f"{m['final_loss']:.4f}"])
+                     f"{m['final_lm_loss']:.4f}", f"{m['final_loss']:.4f}"])
         print(" | ".join(rows[-1]), flush=True)
     print_table(f"balancing: small-moe (8 experts, top-2, capacity factor 1.0), dp 8 × ep 8, {args.steps} steps; "
                 f"over the last quarter of the steps and every MoE layer", ["method", "dropped", "max/mean load",
                                                                            "worst max/mean", "final biases",
-                                                                           "final loss"], rows)
+                                                                           "final LM loss", "final loss"], rows)
     second, rows = [], []
     for ep in (1, 2, 4, 8):
         m = parallel(ep)

@@ -146,9 +146,18 @@ def moe_table(res) -> str:
     width = f" of width {c.expert_width}" if c.expert_d_ff else ""
     how = f"{c.router.replace('_', '-')} router" + (f", bias moved {c.bias_update_rate:g} a step" if biased else "") \
         + f", {c.aux_loss}-wise balance loss"
-    return (f"\nexperts: {c.n_experts}{width} per MoE block{shared}, top-{c.top_k}, {cf}, {how} (tokens routed per "
+    text = (f"\nexperts: {c.n_experts}{width} per MoE block{shared}, top-{c.top_k}, {cf}, {how} (tokens routed per "
             f"expert over every rank before the capacity; dropped: assignments past an expert's capacity in a rank's "
             f"token group):\n" + table(header, rows))
+    if c.n_experts <= 16:  # each expert at the last step (experts.png draws every step)
+        lines = []
+        for index, st in steps[-1].items():
+            lines.append([f"block {index}", "load"] + [str(n) for n in st["routed"]])
+            if st.get("bias") is not None:
+                lines.append(["", "bias"] + [f"{b:+.3f}" for b in st["bias"]])
+        text += (f"\nper expert at step {len(steps)}:\n"
+                 + table(["", ""] + [f"e{i}" for i in range(c.n_experts)], lines))
+    return text
 
 
 def schedule_table(layout) -> str:
