@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .compiled import fused_on
+from .regions import fused_kernel
 
 
 @dataclass
@@ -419,6 +420,14 @@ def route(logits, c, bias=None) -> tuple:
     return scores, routing(scores, decision, c)
 
 
+def _region(name: str, io_bytes: int, fn, *args):
+    """fn(*args) as a GPU runs it: through torch.compile on CUDA (`fused_on`), and priced by the
+    simulator as one kernel moving io_bytes (`fused_kernel`: a plan's meta ranks, and CPU ranks
+    with simulated time, run its ops one by one). Its backward is priced op by op."""
+    with fused_kernel(io_bytes, name):
+        return fused_on(fn, args[0])(*args)
+
+
 def _detached(x):
     """A recorded loss: a float, or a detached 0-d tensor kept on its device."""
     return x.detach() if isinstance(x, torch.Tensor) else float(x)
@@ -485,8 +494,13 @@ class MoE(nn.Module):
         """The experts' outputs combined for the group's tokens x (T, d), the shared experts' added."""
         e = self.experts
         if self.dispatch is None and grouped_mm_applies(x, e.w_gate):  # (one compiled region on a GPU)
-            out = fused_on(local_experts, x)(x, routing.tokens, routing.gates, routing.counts, e.w_gate, e.w_up,
-                                             e.w_down)
+            # what it reads and writes in HBM: x and the output; the gathered rows, the three
+            # GEMMs' outputs and the gated product, each written and read; fp32 weights read,
+            # their bf16 copies written and read
+            T, d, rows, f = x.shape[0], x.shape[1], routing.tokens.shape[0], e.w_gate.shape[1]
+            io = 2 * (T * d + 2 * rows * d + 2 * 3 * rows * f + 2 * rows * d) + 8 * 3 * e.w_gate.numel()
+            out = _region("moe_local_experts", io, local_experts, x, routing.tokens, routing.gates, routing.counts,
+                          e.w_gate, e.w_up, e.w_down)
         else:
             y = self._apply_experts(x.index_select(0, routing.tokens), routing.counts)
             out = x.new_zeros(x.shape, dtype=y.dtype)  # (under autocast the experts' dtype, as a dense MLP's)
@@ -545,10 +559,13 @@ class MoE(nn.Module):
             b, s, d = x.shape
             flat = x.reshape(b * s, d)
             logits = self.router(flat)
-            # in static shapes (compiled on a GPU) unless recording, planning, or sending a
-            # capacity's kept rows to other ranks (the dispatch needs the compact rows and their sizes)
-            if not (self.record or logits.is_meta or (c.capacity_factor and self.dispatch is not None)):
-                scores, *fields = fused_on(static_route, logits)(logits, self.expert_bias, c)
+            # in static shapes (compiled on a GPU) unless recording, or sending tokens to other
+            # ranks with a capacity (the dispatch needs the compact kept rows and their sizes) or
+            # in a plan (the dispatch's sizes: balanced counts on the host)
+            T, E, k = logits.shape[0], c.n_experts, c.top_k
+            if not self.record and (self.dispatch is None or not (c.capacity_factor or logits.is_meta)):
+                io = T * E * (logits.element_size() + 4) + T * k * 20 + 4 * E * 8  # logits in; scores, rows out
+                scores, *fields = _region("moe_routing", io, static_route, logits, self.expert_bias, c)
                 r = Routing(*fields)
             else:
                 scores, r = self._route(logits)
@@ -561,7 +578,8 @@ class MoE(nn.Module):
                 counts = sequence_counts(r.chosen, b, c.n_experts)
                 if self.sequence_group is not None:
                     self.sequence_group.all_reduce(counts, label="moe.aux_counts_seq")
-            aux, z = fused_on(balance_losses, logits)(logits, scores, counts, c)
+            aux, z = _region("moe_balance_losses", logits.nbytes + scores.nbytes + counts.nbytes, balance_losses,
+                             logits, scores, counts, c)
             out = self._group(flat, r).reshape(b, s, d)
             self._record(aux * self.aux_scale, z * self.aux_scale, r.routed, r.dropped)
             return _AddAuxLoss.apply(out, (aux + z) * self.aux_scale)
