@@ -1,6 +1,6 @@
 """The process-group layer: `launch`, `ProcessGroup`, `Mesh`, the simulated and torch
 backends, and the byte ledger. See docs/architecture.md, Contracts 1 and 2."""
-from .errors import (CollectiveError, CollectiveMismatchError, DeadlockError, RankAbortedError,
+from .errors import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, DeadlockError, RankAbortedError,
                      RankFailedError)
 from .launch import LaunchResult, launch
 from .ledger import Ledger, LedgerEntry
@@ -10,5 +10,6 @@ from .reduce_op import ReduceOp
 
 __all__ = [
     "launch", "LaunchResult", "ProcessGroup", "Work", "P2POp", "Mesh", "ReduceOp", "Ledger", "LedgerEntry",
-    "CollectiveError", "CollectiveMismatchError", "DeadlockError", "RankAbortedError", "RankFailedError",
+    "CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError", "DeadlockError", "RankAbortedError",
+    "RankFailedError",
 ]

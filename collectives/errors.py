@@ -19,6 +19,12 @@ class DeadlockError(CollectiveError):
     """Every live rank is blocked and nothing can make progress."""
 
 
+class CollectiveTimeoutError(CollectiveError):
+    """A rank waited in a collective longer than the timeout (NCCL's watchdog): some member
+    never arrived, hung outside any call. The message names the ranks waiting, the call
+    each waits in, and those that never arrived."""
+
+
 class RankAbortedError(CollectiveError):
     """Raised inside a rank because another rank failed; `launch` reports the
     original failure instead."""

@@ -27,7 +27,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from .errors import CollectiveError, DeadlockError, RankFailedError
+from .errors import CollectiveError, CollectiveTimeoutError, DeadlockError, RankFailedError
 from .ledger import Ledger
 from .sim_group import WORLD_KEY, SimProcessGroup
 from .sim_world import SimWorld
@@ -45,7 +45,7 @@ class LaunchResult:
 
 
 def launch(fn, world_size: int | None = None, backend: str = "sim", *, args=(), kwargs=None,
-           timeout: float = 300.0, intra_op_threads: int | None = 1, max_running: int | None = None,
+           timeout: float | None = None, intra_op_threads: int | None = 1, max_running: int | None = None,
            time_model=None, live=None) -> LaunchResult:
     """Run `fn(world, *args, **kwargs)` on every rank.
 
@@ -62,28 +62,30 @@ def launch(fn, world_size: int | None = None, backend: str = "sim", *, args=(), 
     `time_model` (sim only): a `collectives.timing.TimeModel` (the simulator's
     `SimulatedTime(profile)`); then every call gets a simulated start and end in the
     ledger, and each rank's groups expose the model's view of it as `group.timing`.
-    `timeout` (gloo and torch): seconds before a collective that cannot complete fails.
+    `timeout`: seconds a rank may wait in one collective before the run fails (gloo and
+    torch: torch.distributed's timeout, NCCL's watchdog; sim: `CollectiveTimeoutError`
+    naming the ranks waiting). None: 300 s on gloo and torch, for ever on sim.
     """
     kwargs = kwargs or {}
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     if backend == "torch":
-        return _launch_torchrun(fn, world_size, args, kwargs, timeout)
+        return _launch_torchrun(fn, world_size, args, kwargs, timeout or 300.0)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if backend == "sim":
         if intra_op_threads is None or world_size == 1:
-            return _launch_sim(fn, world_size, args, kwargs, max_running, time_model, live)
+            return _launch_sim(fn, world_size, args, kwargs, max_running, time_model, live, timeout)
         import torch
         previous = torch.get_num_threads()
         torch.set_num_threads(intra_op_threads)
         try:
-            return _launch_sim(fn, world_size, args, kwargs, max_running, time_model, live)
+            return _launch_sim(fn, world_size, args, kwargs, max_running, time_model, live, timeout)
         finally:
             torch.set_num_threads(previous)
     if time_model is not None:
         raise ValueError(f"time_model= models time on the simulated backend; backend {backend!r} measures it")
-    return _launch_gloo(fn, world_size, args, kwargs, timeout)
+    return _launch_gloo(fn, world_size, args, kwargs, timeout or 300.0)
 
 
 def _failure(rank: int, exc: BaseException, tb: str) -> BaseException:
@@ -96,10 +98,10 @@ def _failure(rank: int, exc: BaseException, tb: str) -> BaseException:
 
 
 # -- simulated ----------------------------------------------------------------------------
-def _launch_sim(fn, n, args, kwargs, max_running=None, time_model=None, live=None) -> LaunchResult:
+def _launch_sim(fn, n, args, kwargs, max_running=None, time_model=None, live=None, timeout=None) -> LaunchResult:
     if time_model is not None:
         time_model.start(n)
-    world = SimWorld(n, max_running, time_model, live)
+    world = SimWorld(n, max_running, time_model, live, timeout)
     values = [None] * n
     errors: list = [None] * n
 
@@ -130,6 +132,9 @@ def _launch_sim(fn, n, args, kwargs, max_running=None, time_model=None, live=Non
     if world.deadlock is not None:
         first = next(e for e, _ in filter(None, errors))
         raise DeadlockError(world.deadlock) from first
+    if world.timed_out is not None:
+        first = next(e for e, _ in filter(None, errors))
+        raise CollectiveTimeoutError(world.timed_out) from first
     if world.failure is not None:
         r, exc = world.failure
         raise _failure(r, exc, errors[r][1]) from exc
@@ -203,13 +208,12 @@ def _launch_gloo(fn, n, args, kwargs, timeout) -> LaunchResult:
                              daemon=True) for r in range(n)]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout
-        failed_at = None
+        failed_at = None  # (no deadline for the job: a rank that hangs is found by the others' collective timeout)
         while any(p.is_alive() for p in procs):
             if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
                 failed_at = time.monotonic()
             # one rank failed: give the others a moment to report, then stop them
-            if (failed_at is not None and time.monotonic() - failed_at > 2.0) or time.monotonic() > deadline:
+            if failed_at is not None and time.monotonic() - failed_at > 2.0:
                 break
             time.sleep(0.02)
         _stop(procs)

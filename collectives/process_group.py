@@ -9,6 +9,7 @@ object collectives return their object).
 from __future__ import annotations
 
 import abc
+import time
 
 from .buffers import as_buffer
 from .call import Call, caller_site
@@ -73,6 +74,12 @@ class ProcessGroup(abc.ABC):
         """A sub-group of this group's ranks (group-local numbers; group ranks follow
         ascending global rank, as in torch). Like torch, every rank of this group must
         call it, in the same order; non-members get None."""
+
+    def stall(self) -> None:
+        """Stop answering (an injected hang): issue no call again. The other ranks' collective
+        timeout finds it; then the launcher (or torchrun) stops this process."""
+        while True:
+            time.sleep(3600)
 
     def host_blocked(self) -> float:
         """Seconds this rank's host has waited for its device so far in the backend's bound on

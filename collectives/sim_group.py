@@ -44,6 +44,10 @@ class SimProcessGroup(ProcessGroup):
         """This rank's Instruments (the same object from each of its groups)."""
         return self._world.ranks[self.ranks[self.rank]].instruments
 
+    def stall(self) -> None:
+        """Stop answering until the world stops (SimWorld.stall), then raise."""
+        self._world.stall(self.ranks[self.rank])
+
     def _record(self, call) -> None:
         ledger = self._world.ledger
         ledger.record(call.make_entry(len(ledger.per_rank[call.rank])))

@@ -11,6 +11,10 @@ blocked (ranks that returned are not live), nothing can ever progress: the world
 `DeadlockError` in every blocked rank at once, listing what each waits on and where.
 Crash: when a rank raises, every blocked rank wakes with `RankAbortedError`, later calls
 raise it too, and `launch` reports the original exception.
+Hang: a rank that stops answering outside any call (`stall`: an injected hang) is not
+blocked, so no deadlock is seen; a rank that waits in one call longer than `timeout`
+seconds (NCCL's watchdog) stops the world with `CollectiveTimeoutError`, naming every rank
+waiting, the call it waits in and the ranks that never arrived.
 
 Stand-ins (planning at scale): only the `live` ranks run, each standing for a class of ranks
 whose programs are identical (every rank of one pipeline stage, say). A collective on a
@@ -25,7 +29,9 @@ import threading
 from collections import deque
 
 from . import sim_ops
-from .errors import CollectiveMismatchError, DeadlockError, RankAbortedError
+import time
+
+from .errors import CollectiveMismatchError, CollectiveTimeoutError, DeadlockError, RankAbortedError
 from .instruments import Instruments
 from .ledger import Ledger
 
@@ -69,8 +75,10 @@ class RankState:
 
 
 class SimWorld:
-    def __init__(self, world_size: int, max_running: int | None = None, time_model=None, live=None):
+    def __init__(self, world_size: int, max_running: int | None = None, time_model=None, live=None,
+                 timeout: float | None = None):
         self.size = world_size
+        self.timeout = timeout  # seconds a rank may wait in one call (None: for ever)
         self.live = frozenset(live) if live is not None else None  # None: every rank runs
         self.time_model = time_model  # a collectives.timing.TimeModel: calls are timed by it
         # At most `max_running` ranks execute between blocking points; a rank gives its
@@ -86,6 +94,8 @@ class SimWorld:
         self.blocked = 0
         self.failure = None  # (rank, exception) of the first rank that raised
         self.deadlock = None  # the message, once detected
+        self.timed_out = None  # the message, once a rank waited past the timeout
+        self.stopped = threading.Event()  # set when the world stops (a failure, a deadlock, a timeout)
         self.ledger = Ledger(world_size)
 
     # -- posting --------------------------------------------------------------------
@@ -224,7 +234,11 @@ class SimWorld:
         if registered:
             if self.running is not None:
                 self.running.release()
-            state.wake.acquire()
+            if not state.wake.acquire(timeout=self.timeout if self.timeout is not None else -1):
+                with self.mutex:
+                    if state.waiting_on is not None and self.timed_out is None and self.deadlock is None:
+                        self._declare_timeout(rank)
+                state.wake.acquire()  # (released by the completion or by the stop, whichever came)
             chain, state.chain = state.chain, None
             self._release_chain(chain)
             if self.running is not None:
@@ -248,12 +262,23 @@ class SimWorld:
             state.wake.release()
 
     def _wake_all(self) -> None:
+        self.stopped.set()
         for r in range(self.size):
             self._wake(r)
+
+    def stall(self, rank: int) -> None:
+        """The rank stops answering (an injected hang): it runs no call until the world
+        stops for another reason (a timeout, another rank's failure), then it is aborted."""
+        self.stopped.wait()
+        with self.mutex:
+            self._raise_if_aborted()
+        raise RankAbortedError(f"rank {rank} hung and was stopped")
 
     def _raise_if_aborted(self) -> None:
         if self.deadlock is not None:
             raise DeadlockError(self.deadlock)
+        if self.timed_out is not None:
+            raise CollectiveTimeoutError(self.timed_out)
         if self.failure is not None:
             r, exc = self.failure
             raise RankAbortedError(f"stopped because rank {r} failed: {type(exc).__name__}: {exc}")
@@ -274,6 +299,24 @@ class SimWorld:
                     lines.append(f"  rank {st.rank}: waits in {what} ({slot.where}; "
                                  f"ranks {missing} never arrived)")
         self.deadlock = "\n".join(lines)
+        self._wake_all()
+
+    def _declare_timeout(self, rank: int) -> None:
+        """Under the mutex: `rank` waited in its call past the timeout; stop every rank."""
+        slot, call = self.ranks[rank].waiting_on
+        lines = [f"timeout: rank {rank} waited {self.timeout:g} s in {call.describe()} ({slot.where})"]
+        for st in self.ranks:
+            if st.finished:
+                lines.append(f"  rank {st.rank}: has returned")
+            elif st.waiting_on is not None:
+                s, c = st.waiting_on
+                members = next(x for x in s.calls if x is not None).group
+                missing = [members[i] for i, x in enumerate(s.calls) if x is None]
+                lines.append(f"  rank {st.rank}: waits in {c.describe()} ({s.where}"
+                             + (f"; ranks {missing} never arrived)" if missing and not s.p2p else ")"))
+            elif self.live is None or st.rank in self.live:
+                lines.append(f"  rank {st.rank}: in no call (hung, or still computing)")
+        self.timed_out = "\n".join(lines)
         self._wake_all()
 
     # -- rank lifecycle ------------------------------------------------------------------

@@ -225,9 +225,10 @@ def _train(args, run) -> int:
 
 
 def _plan(args, run) -> int:
-    from .planning import plan, plan_json, summary
+    from .planning import failures_summary, plan, plan_json, summary
     p = plan(run)
     print(summary(p, args.memory_headroom))
+    print(failures_summary(p, args.checkpoint_gbps, args.mtbf_hours, args.restart_seconds))
 
     def plots(directory):
         from .plots import write_plan_plots

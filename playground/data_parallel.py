@@ -151,6 +151,14 @@ class ReplicatedAdamW:
             self.grad_bytes = storage_bytes(p.grad for m in self.parts for p in m.parameters())
         self.optimizer.zero_grad(set_to_none=not self.buckets)
 
+    def local_grads(self) -> list:
+        """[(name, gradient)] of every local parameter that has one, in the model's order."""
+        return [(name, p.grad) for m in self.parts for name, p in m.named_parameters() if p.grad is not None]
+
+    def skip_step(self) -> None:
+        """Drop this step's gradients without updating (a step found non-finite)."""
+        self.optimizer.zero_grad(set_to_none=not self.buckets)
+
     def pieces(self, what: str) -> list:
         out = []
         for m in self.parts:
@@ -203,6 +211,13 @@ class ShardedOptimizer:
 
     def pieces(self, what: str) -> list:
         return [x for e in self.engines for x in e.pieces(what)]
+
+    def local_grads(self) -> list:
+        return [x for e in self.engines for x in e.local_grads()]
+
+    def skip_step(self) -> None:
+        for e in self.engines:
+            e.skip_step()
 
     def state_tensors(self) -> dict:
         out = {"parameters": [], "gradients": [], "optimizer": []}

@@ -228,10 +228,11 @@ def layout_states(res, run: RunConfig) -> tuple:
                         + " held by no rank")
     for step in range(run.steps):
         full, probs = assemble(res.pieces("grads", step))
-        problems.extend(f"gradients of step {step}: {p}" for p in probs)
+        skipped = any(v["steps"][step]["skipped"] for v in res.values)
+        if not skipped:  # (a skipped step's gradients, an overflow or a NaN, are not compared)
+            problems.extend(f"gradients of step {step}: {p}" for p in probs)
         grads.append(full)
-        states.append(state(lambda kind: res.pieces(kind, step), f"after step {step}",
-                            any(v["steps"][step]["skipped"] for v in res.values)))
+        states.append(state(lambda kind: res.pieces(kind, step), f"after step {step}", skipped))
     return states, grads, problems
 
 

@@ -333,8 +333,37 @@ def _checkpoint_flags(p, verb: str) -> None:
         k.add_argument("--save", help="save a checkpoint in this folder at the end (and every --save-every steps)")
         k.add_argument("--save-every", type=whole(1), help="with --save: also every K steps")
         k.add_argument("--overwrite", action="store_true", help="with --save: replace a checkpoint already there")
-        k.add_argument("--resume", help="continue from the checkpoint in this folder, in this run's layout (any)")
+        k.add_argument("--resume", help="continue from the checkpoint in this folder, in this run's layout (any); "
+                                        "'auto': from --save DIR's checkpoint if it holds one, else from the start "
+                                        "(so torchrun's --max-restarts continues the run)")
     k.add_argument("--init-from", help="start from a state_dict file of the reference GPT (playground export)")
+
+
+def _fault_flags(p) -> None:
+    f = p.add_argument_group("faults on purpose (train)")
+    f.add_argument("--inject", action="append", type=_fault, default=[], metavar="KIND@STEP:RANK",
+                   help="a fault at a step (from 1) of a rank, repeatable: crash (the rank raises; crash!: lost for "
+                        "good), hang (it stops answering), slow:F (from that step on F times slower), nan (a NaN in "
+                        "one of its gradients)")
+    f.add_argument("--on-nan", choices=("stop", "skip", "off"), default="stop",
+                   help="a NaN or an Inf in the loss or a gradient, found on every rank before the optimizer step: stop "
+                        "the run, skip the step on every rank, or do not check (Megatron "
+                        "--check-for-nan-in-loss-and-grad)")
+    f.add_argument("--timeout", type=real(0.0, open_low=True), metavar="SECONDS",
+                   help="a rank waiting longer in one collective stops the run, naming the ranks waiting and the call "
+                        "(torch.distributed's timeout, NCCL's watchdog) (default: 600 on gloo and torch; on sim 60, "
+                        "or three of the run's estimated steps where longer)")
+    f.add_argument("--max-restarts", type=whole(0), default=0,
+                   help="after a crash or a hang, restart from the last checkpoint of --save, up to this many times, "
+                        "and continue to --steps (torchrun --max-restarts)")
+
+
+def _fault(text: str):
+    from .faults import parse_fault
+    try:
+        return parse_fault(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--inject ")) from None
 
 
 def _version() -> str:
@@ -361,6 +390,8 @@ def parser() -> Parser:
         _output_flags(v, verb)
         if verb != "plan":
             _checkpoint_flags(v, verb)
+        if verb == "train":
+            _fault_flags(v)
         if verb == "plan":
             s = v.add_argument_group("planning")
             s.add_argument("--search", action="store_true",
@@ -371,6 +402,13 @@ def parser() -> Parser:
                            help="share of HBM a layout must leave free to fit: torch's caching allocator fragments (a 1b "
                                 "run at 88%% of an H200 ran out of memory); about 0.02 with PYTORCH_CUDA_ALLOC_CONF="
                                 "expandable_segments:True")
+            s.add_argument("--checkpoint-gbps", type=real(0.0, open_low=True), default=1.0, metavar="GB/S",
+                           help="storage bandwidth per writing rank: what a checkpoint of the layout costs")
+            s.add_argument("--mtbf-hours", type=real(0.0, open_low=True), metavar="H",
+                           help="mean time between failures of one GPU: the checkpoint interval that gives the most "
+                                "goodput (Young 1974, Daly 2006) and that goodput")
+            s.add_argument("--restart-seconds", type=real(0.0), default=60.0,
+                           help="what restarting the job costs before it reads its checkpoint back (with --mtbf-hours)")
             s.add_argument("--top", type=whole(1), default=10, help="with --search: how many layouts to print")
             s.add_argument("--exact", type=whole(1), default=3,
                            help="with --search: how many of the fastest to plan in full (the others are estimated "

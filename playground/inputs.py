@@ -247,6 +247,12 @@ def run_config(args, typed: set):
     _outputs(args)
     from model.config import DEFAULT_LR
     lr = getattr(args, "lr", None)
+    if getattr(args, "resume", None) == "auto":
+        if not getattr(args, "save", None):
+            raise InputError("--resume auto resumes from --save DIR's checkpoint: give --save DIR")
+        # a complete checkpoint is one whose index was written (checkpoint.has_checkpoint; the
+        # index is renamed into place last); none yet: a fresh start
+        args.resume = args.save if os.path.exists(os.path.join(args.save, "index.json")) else None
     run = RunConfig(model=cfg, layout=layout, steps=getattr(args, "steps", None) or DEFAULT_STEPS.get(verb, 3),
                     lr=lr if lr is not None else DEFAULT_LR[args.model], dtype=args.dtype or DEFAULT_DTYPE[verb],
                     reduce_dtype=args.reduce_dtype, seed=getattr(args, "seed", 0), data=getattr(args, "data", None),
@@ -255,11 +261,22 @@ def run_config(args, typed: set):
                     count_every_step=getattr(args, "count_every_step", False), save=getattr(args, "save", None),
                     save_every=getattr(args, "save_every", None), resume=getattr(args, "resume", None),
                     init_from=getattr(args, "init_from", None), compile=getattr(args, "compile", False),
-                    bf16_copies=args.bf16_copies)
+                    bf16_copies=args.bf16_copies, faults=_faults(args, backend),
+                    on_nan=getattr(args, "on_nan", "stop"), timeout=getattr(args, "timeout", None),
+                    max_restarts=getattr(args, "max_restarts", 0))
     _exist(args)
     if run.backend == "sim" and not meta:  # (a plan's ranks hold meta tensors: no memory)
         check_simulated_memory(run)
     return run
+
+
+def _faults(args, backend: str) -> tuple:
+    """The injected faults of this launch. A crash or a hang happens once: under torchrun, a
+    job torchrun restarted (its TORCHELASTIC_RESTART_COUNT above 0) meets none of them again."""
+    faults = tuple(getattr(args, "inject", ()))
+    if backend == "torch" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        faults = tuple(f for f in faults if f.kind not in ("crash", "hang"))
+    return faults
 
 
 def check_files(args, run) -> None:

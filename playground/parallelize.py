@@ -125,6 +125,17 @@ class ParallelModel:
         for layer in self.moe_layers:
             layer.update_bias()
 
+    def local_grads(self) -> list:
+        """[(name, tensor)]: the gradients this rank holds now (the optimizer's)."""
+        return self.optimizer.local_grads()
+
+    def skip_step(self) -> None:
+        """No update this step (a NaN or an Inf found in it): gradients dropped, the MoE
+        layers' load of the step forgotten, the balancing biases unmoved."""
+        self.optimizer.skip_step()
+        for layer in self.moe_layers:
+            layer.load = None
+
     def buffers(self) -> list:
         """[(Placement, tensor)]: the optimizer-free state this rank holds, the MoE layers'
         balancing biases (replicated on every rank holding the layer)."""

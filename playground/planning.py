@@ -222,6 +222,21 @@ def summary(p: Plan, headroom: float = DEFAULT_HEADROOM) -> str:
     return "\n".join(lines)
 
 
+def failures_summary(p: Plan, gbps: float, mtbf_hours: float | None, restart_s: float) -> str:
+    """The checkpoint's cost and, with a failure rate, the interval of the most goodput
+    (playground/goodput.py)."""
+    from .goodput import failure_plan
+    f = failure_plan(p.run.model, p.run.layout, p.step_s, gbps, mtbf_hours, restart_s)
+    text = (f"\ncheckpoint: {human_bytes(f.bytes_per_rank)} written by the busiest rank (fp32 weights and AdamW's "
+            f"moments), {f.write_s:.2f} s at {gbps:g} GB/s per rank (--checkpoint-gbps)")
+    if f.mtbf_s is None:
+        return text + "; --mtbf-hours H gives the checkpoint interval of the most goodput"
+    return text + (f"\nfailures: one every {f.mtbf_s / 3600:.2f} h for the job ({mtbf_hours:g} h per GPU over "
+                   f"{p.run.layout.world} GPUs), a restart costing {f.restart_s:.0f} s: checkpoint every "
+                   f"{f.interval_steps:,} steps ({f.interval_s / 60:.1f} min, Daly 2006), expected goodput "
+                   f"{100 * f.goodput:.1f}% (every step: {100 * f.goodput_every_step:.1f}%)")
+
+
 def plan_json(p: Plan, headroom: float = DEFAULT_HEADROOM) -> dict:
     from .summary import SCHEMA_VERSION, _run_json, communication
     hw = load_hardware(p.run.hardware)

@@ -100,6 +100,8 @@ def train_summary(res) -> str:
     lines.append(f"throughput: {res.tokens_per_s:,.0f} tokens/s (median step, wall clock, "
                  f"{len(res.losses)} steps in {res.wall_s:.1f} s end to end), "
                  f"{tflops:.3g} model TFLOP/s per rank")
+    if run.faults or res.restarts or res.values[0].get("skipped_steps"):
+        lines.append(faults_table(res))
     if cfg.n_experts:
         lines.append(moe_table(res))
     if run.layout.pp > 1:
@@ -113,6 +115,43 @@ def train_summary(res) -> str:
     if run.hardware and run.layout.world > 1:
         lines.append(links_table(res.ledger, len(res.losses), run.hardware))
     return "\n".join(lines)
+
+
+def faults_table(res) -> str:
+    """Each injected fault (and each failure that stopped a launch): how it was found, how the
+    run recovered, and what it cost (playground/faults.py; training.Restart)."""
+    run, rows = res.run, []
+    restarted = {r.fault: r for r in res.restarts}
+    skipped = res.values[0].get("skipped_steps") or []
+    for f in sorted(run.faults, key=lambda f: (f.step, f.rank)):
+        r = restarted.pop(str(f), None)
+        if r is not None:
+            rows.append([str(f), r.detected, f"restart from step {r.resumed_from}", r.steps_recomputed,
+                         f"{r.wall_lost_s:.2f} s", f"{r.sim_lost_s * 1e3:.2f} ms" if r.sim_lost_s is not None else "-"])
+        elif f.kind == "slow":
+            rows.append([str(f), "a straggler: " + _straggler(res, f), "none needed", 0, "-", "-"])
+        elif f.kind == "nan":  # (in an earlier launch, before a restart, the check found it just the same)
+            found = f.step in skipped or (run.on_nan == "skip" and f.step <= res.start)
+            rows.append([str(f), "NaN check before the optimizer step" if run.on_nan != "off" else "not checked",
+                         "the step skipped on every rank" if found else "-", 0, "-", "-"])
+        elif f.step > run.steps or f.step <= res.start:
+            rows.append([str(f), "never reached (outside this run's steps)", "-", 0, "-", "-"])
+    for r in restarted.values():  # failures that were not injected
+        rows.append([r.fault, r.detected, f"restart from step {r.resumed_from}", r.steps_recomputed,
+                     f"{r.wall_lost_s:.2f} s", f"{r.sim_lost_s * 1e3:.2f} ms" if r.sim_lost_s is not None else "-"])
+    return ("\nfaults (steps counted from 1; lost: from the last checkpoint written to the failure found, the "
+            "detection included):\n" + table(["fault", "detected", "recovery", "steps recomputed", "wall time lost",
+                                              "simulated time lost"], rows))
+
+
+def _straggler(res, fault) -> str:
+    """The other ranks' median idle time per step once `fault`'s rank runs slow (simulated time)."""
+    if not res.run.hardware:
+        return "the others wait for it (add --hardware to see their idle time)"
+    first = max(0, fault.step - 1 - res.start)
+    idle = sorted(s["idle"] for r, v in enumerate(res.values) if r != fault.rank and v
+                  for s in v["sim_steps"][first:])
+    return f"the others idle {idle[len(idle) // 2] * 1e3:.2f} ms a step (simulated)" if idle else "-"
 
 
 def moe_table(res) -> str:

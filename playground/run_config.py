@@ -56,6 +56,13 @@ class RunConfig:
     resume: str | None = None  # a checkpoint folder to continue from (any layout)
     init_from: str | None = None  # a state_dict file of the reference GPT to start from
     compile: bool = False  # torch.compile each block's body (real backends: the simulator counts ops one by one)
+    # faults on purpose (playground/faults.py): injected faults, what a NaN or an Inf does
+    # ("stop", "skip" the step, "off": not checked), seconds a rank may wait in one collective
+    # (None: the backend's default), and restarts from the last checkpoint after a crash or a hang
+    faults: tuple = ()
+    on_nan: str = "stop"
+    timeout: float | None = None
+    max_restarts: int = 0
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(DTYPES)}")
@@ -84,6 +91,19 @@ class RunConfig:
                              "count op by op: use it with --backend torch (or gloo)")
         if self.hardware is not None and self.backend != "sim":
             raise ValueError(f"--hardware simulates time on the sim backend; backend {self.backend!r} measures it")
+        if self.on_nan not in ("stop", "skip", "off"):
+            raise ValueError(f"--on-nan {self.on_nan!r}: choose stop, skip or off")
+        if self.timeout is not None and not self.timeout > 0:
+            raise ValueError(f"--timeout {self.timeout}: must be a number of seconds above 0")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts {self.max_restarts}: must be at least 0")
+        if self.max_restarts and not self.save:
+            raise ValueError(f"--max-restarts {self.max_restarts} restarts from the last checkpoint: it needs "
+                             f"--save DIR (and --save-every K to lose fewer steps)")
+        for f in self.faults:
+            if f.rank >= layout.world:
+                raise ValueError(f"--inject {f}: rank {f.rank} is not in the world of {layout.world} ranks "
+                                 f"(0..{layout.world - 1})")
 
     @property
     def param_dtype(self):

@@ -118,6 +118,11 @@ def train_json(res) -> dict:
         out["memory"].append({"rank": r, **m})
     out["communication"] = communication(res.ledger, steps)
     out["moe"] = [{str(k): v for k, v in st.items()} for st in res.moe_steps()] if run.model.n_experts else None
+    out["faults"] = {"injected": [str(f) for f in run.faults], "on_nan": run.on_nan,
+                     "skipped_steps": res.values[0].get("skipped_steps", []),
+                     "restarts": [{"fault": r.fault, "detected": r.detected, "failed_step": r.failed_step,
+                                   "resumed_from": r.resumed_from, "steps_recomputed": r.steps_recomputed,
+                                   "wall_lost_s": r.wall_lost_s, "sim_lost_s": r.sim_lost_s} for r in res.restarts]}
     out["simulated"] = None
     if run.hardware:
         per_rank = []

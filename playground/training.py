@@ -13,17 +13,18 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm import tqdm
 
-from collectives import launch
+from collectives import CollectiveTimeoutError, RankFailedError, launch
 from model.dropout import seed_dropout
 from simulator import SimulatedTime
 
 from . import checkpoint
 from .data import make_source
+from .faults import NonFiniteError, RankFaults, nonfinite
 from .rank_program import RankProgram
 from .run_config import RunConfig
 
@@ -108,7 +109,7 @@ def _skipped(model) -> int:
     return sum(s.skipped for s in getattr(model.optimizer, "scalers", []))
 
 
-def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=None) -> dict:
+def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=None, progress=None) -> dict:
     """One rank's program. With `collect`, also returns the pieces (Placement, CPU float64
     copy) of the state before the first step ("initial": weights and AdamW's moments) and
     of each step's gradients and the state after it ("steps"; `TrainResult.pieces`).
@@ -117,7 +118,10 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
     GPT's state_dict to start from (--init-from). With `run.resume` the steps continue from
     the checkpoint's (any layout) up to `run.steps`, the run's total (as Megatron-LM's
     --train-iters): relaunching the same command after a crash finishes the same run. With
-    `run.save` checkpoints are written, at every `save_every`-th step and at the last."""
+    `run.save` checkpoints are written, at every `save_every`-th step and at the last.
+    `progress` (simulated ranks: an object the driver reads after a failure): rank 0 notes
+    there when each step ended and when the last checkpoint was saved (wall clock, and
+    simulated time with a profile), what a restart's report charges to the fault."""
     layout, cfg = run.layout, run.model
     device = _device(run)
     if device.startswith("cuda"):
@@ -133,7 +137,9 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
     if collect:  # the state every step starts from, for the check's reference to take each step from it
         out_states = {"initial": _state(model), "steps": []}
     source = source or make_source(run.data, cfg.vocab_size, run.seed)
-    out = {"losses": [], "step_times": [], "host_blocked": [], "sim_steps": [], "memory": None, "moe": [], "start": start}
+    out = {"losses": [], "step_times": [], "host_blocked": [], "sim_steps": [], "memory": None, "moe": [], "start": start,
+           "skipped_steps": []}
+    faults = RankFaults(run.faults, world.rank)
     timing = world.timing if run.hardware else None  # the simulator's clock and compute model
     clock = timing.clock if timing else None
     bar = _progress_bar(run.steps, start) if run.progress and world.rank == 0 else None
@@ -144,6 +150,9 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
     prefetch = Prefetch(source, layout.global_batch, cfg.seq_len, rank.rows, device, start, run.steps) \
         if device.startswith("cuda") else None
     for i, step in enumerate(range(start, run.steps)):  # (the data is a function of the step)
+        faults.before_step(world, step + 1)  # (an injected crash raises, a hang stops answering)
+        if timing:
+            timing.compute_model.slowdown = faults.slowdown(step + 1)
         t0, blocked0 = time.perf_counter(), world.host_blocked()
         replay = None if run.count_every_step else ("record" if i == 1 else "replay" if i > 1 else None)
         counted = timing.compute_model.step(replay) if timing else contextlib.nullcontext()
@@ -161,13 +170,29 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
             # activations are tracked (every tensor autograd saves hooked) only with simulated
             # time; a replayed step's are the recorded one's
             track = rank.track if run.hardware and replay != "replay" else contextlib.nullcontext
+            t_work = time.perf_counter()
             total = rank.forward_backward(rank.microbatches(local), track)
+            if not timing:  # (on simulated time the compute model slows the rank's kernels)
+                faults.straggle(step + 1, time.perf_counter() - t_work)
+            faults.corrupt(model, step + 1)
+            found = nonfinite(model, total, world, check_grads=run.dtype != "float16") \
+                if run.on_nan != "off" else None  # (fp16: the loss scaler skips overflowing steps itself)
+            if found and run.on_nan == "stop":
+                raise NonFiniteError(f"step {step + 1}: {found}; stopped before the optimizer step (--on-nan skip "
+                                     f"skips such a step)")
             if collect:
                 grads, skipped = model.pieces("grad"), _skipped(model)
-            rank.update()
+            if found:  # --on-nan skip: every rank alike
+                model.skip_step()
+                out["skipped_steps"].append(step + 1)
+                if world.rank == 0:
+                    (bar.write if bar is not None else print)(f"playground: step {step + 1} skipped: {found}",
+                                                              file=sys.stderr)
+            else:
+                rank.update()
             if collect:
                 out_states["steps"].append({"grads": grads, "state": _state(model),
-                                            "skipped": _skipped(model) > skipped})
+                                            "skipped": bool(found) or _skipped(model) > skipped})
             if cfg.n_experts:  # this rank's routing statistics of the step, per MoE layer it holds
                 # (read after the run where the losses are: reading them now would stop the host)
                 out["moe"].append({layer.index: layer.stats if deferred else layer.stats.as_dict()
@@ -184,8 +209,12 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
                 out["losses"].append(total.item())
         out["step_times"].append(time.perf_counter() - t0)
         out["host_blocked"].append(world.host_blocked() - blocked0)
+        if progress is not None and world.rank == 0:
+            progress.step_ended(step + 1, clock.breakdown()["time"] if clock else None)
         if run.save and ((step + 1) % (run.save_every or run.steps) == 0 or step == run.steps - 1):
             written = checkpoint.save(world, model, run.save, step + 1, checkpoint.metadata(run, model))
+            if progress is not None and world.rank == 0:
+                progress.saved(step + 1)
             if world.rank == 0:  # one line per checkpoint, under the progress bar
                 (bar.write if bar is not None else print)(f"checkpoint: step {step + 1} saved to {run.save} "
                                                           f"({written / 2**20:,.1f} MiB)", file=sys.stderr)
@@ -221,6 +250,7 @@ class TrainResult:
     data: str
     values: list  # every rank's output
     clocks: list | None = None  # every rank's simulated clock (with --hardware)
+    restarts: list = field(default_factory=list)  # Restart: what each fault that stopped a launch cost
 
     def moe_steps(self) -> list:
         """Per step, per MoE layer: routing statistics summed over the ranks (pre-drop
@@ -271,13 +301,107 @@ class TrainResult:
         return self.run.tokens_per_step / ts[len(ts) // 2]
 
 
+class Progress:
+    """Rank 0's progress through one launch (simulated ranks): when each step ended and when
+    the last checkpoint was written, for the cost of a fault."""
+
+    def __init__(self, start: int, sim_start: float | None = None):
+        self.start = time.perf_counter()
+        self.step = start  # the last step finished
+        self.sim = sim_start
+        self.saved_at = (start, self.start, sim_start)  # (step, wall, simulated): where a restart resumes
+
+    def step_ended(self, step: int, sim: float | None) -> None:
+        self.step, self.sim = step, sim
+
+    def saved(self, step: int) -> None:
+        self.saved_at = (step, time.perf_counter(), self.sim)
+
+
+@dataclass
+class Restart:
+    """What one fault cost (the report's faults table)."""
+    fault: str  # the fault that fired ("crash@5:1"), or what failed
+    detected: str  # how: the rank's error, or the timeout
+    failed_step: int  # the step the run was in
+    resumed_from: int  # the checkpoint's step the restart continued from
+    wall_lost_s: float  # wall time from the checkpoint written to the failure found
+    sim_lost_s: float | None  # simulated time of the steps recomputed
+
+    @property
+    def steps_recomputed(self) -> int:
+        return self.failed_step - 1 - self.resumed_from
+
+
+def collective_timeout(run: RunConfig) -> float:
+    """Seconds a rank may wait in one collective: --timeout, else NCCL's watchdog's 10 minutes on
+    gloo and torch, and on simulated ranks a minute, or three of this run's estimated steps where
+    longer (one rank's wait holds every other rank's compute on this machine's cores)."""
+    if run.timeout:
+        return run.timeout
+    if run.backend != "sim":
+        return 600.0
+    from .capacity import estimated_seconds
+    return max(60.0, 3 * estimated_seconds(run, 1) * run.layout.world)
+
+
 def train(run: RunConfig, collect: bool = False) -> TrainResult:
-    """Train `run` (from its checkpoint to `run.steps` with --resume) on its backend."""
+    """Train `run` (from its checkpoint to `run.steps` with --resume) on its backend; after a
+    crash or a hang, up to `run.max_restarts` times again from the last checkpoint of
+    `run.save` (the TrainResult's `restarts` say what each cost)."""
+    restarts, faults = [], list(run.faults)
+    t0 = time.perf_counter()
+    while True:
+        attempt = replace(run, faults=tuple(faults))
+        progress = Progress(attempt_start(attempt), 0.0 if run.hardware else None) if run.backend == "sim" else None
+        try:
+            res = _train_once(attempt, collect, progress)
+            break
+        except (RankFailedError, CollectiveTimeoutError) as e:
+            if len(restarts) >= run.max_restarts:
+                raise
+            failed = time.perf_counter()
+            start = attempt_start(attempt)
+            pending = sorted((f for f in faults if f.kind in ("crash", "hang") and f.step > start),
+                             key=lambda f: (f.step, f.rank))
+            fired = pending[0] if pending else None
+            if fired is not None and fired.permanent:
+                raise RankFailedError(fired.rank, f"rank {fired.rank} is lost for good ({fired}): a restart onto "
+                                                  f"the same {run.layout.world} ranks cannot continue the run") from e
+            resumed = checkpoint.read_index(run.save)["step"] if checkpoint.has_checkpoint(run.save) else 0
+            step = fired.step if fired else (progress.step + 1 if progress else resumed + 1)
+            wall_lost, sim_lost = (failed - progress.saved_at[1], None) if progress else (failed - t0, None)
+            if progress is not None and progress.sim is not None and progress.saved_at[2] is not None:
+                sim_lost = progress.sim - progress.saved_at[2]
+            how = (f"the others' collective timeout ({collective_timeout(attempt):g} s)"
+                   if isinstance(e, CollectiveTimeoutError) else
+                   f"rank {e.rank} raised {type(e.__cause__).__name__ if e.__cause__ else 'an error'}")
+            restarts.append(Restart(str(fired) if fired else type(e).__name__, how, step, resumed, wall_lost, sim_lost))
+            if fired is not None:
+                faults.remove(fired)
+            print(f"playground: {restarts[-1].fault} at step {step} ({how}); restart {len(restarts)} of "
+                  f"{run.max_restarts} from " + (f"the checkpoint at step {resumed}" if resumed else "the start"),
+                  file=sys.stderr)
+            run = replace(run, resume=run.save if resumed else None)
+    res.restarts = restarts
+    res.wall_s = time.perf_counter() - t0
+    return res
+
+
+def attempt_start(run: RunConfig) -> int:
+    """The step a launch of `run` starts from (its checkpoint's, with --resume)."""
+    return checkpoint.read_index(run.resume)["step"] if run.resume else 0
+
+
+def _train_once(run: RunConfig, collect: bool = False, progress=None) -> TrainResult:
+    """One launch of `run`."""
     run.layout.validate(run.model)
     if run.resume:
         _, note = checkpoint.resume_point(checkpoint.read_index(run.resume, run.model), run.resume, run)
         if note:
             print(f"playground: {note}", file=sys.stderr)
+    if run.hardware and any(f.kind == "slow" for f in run.faults) and not run.count_every_step:
+        run = replace(run, count_every_step=True)  # (a slow rank's later steps differ from the recorded one)
     if run.hardware and run.model.n_experts and not run.count_every_step:
         # token counts change from step to step: a recorded step's compute cannot be replayed
         print("playground: experts route different token counts every step, so every step's ops are counted "
@@ -287,14 +411,16 @@ def train(run: RunConfig, collect: bool = False) -> TrainResult:
     init = torch.load(run.init_from, map_location="cpu", weights_only=True) if run.init_from and run.backend == "sim" \
         else None  # (processes load it themselves)
     t0 = time.perf_counter()
+    timeout = collective_timeout(run)
     if run.backend == "torch":  # this process is one rank: it uses the source it just built
-        res = launch(train_rank, run.layout.world, backend="torch", args=(run, collect, source, None))
+        res = launch(train_rank, run.layout.world, backend="torch", args=(run, collect, source, None), timeout=timeout)
     else:
         shared = SharedBatches(source) if run.backend == "sim" else None  # processes build their own
         extra = {"max_running": run.max_running or 2 * (os.cpu_count() or 1),
                  "time_model": SimulatedTime(run.hardware) if run.hardware else None} if run.backend == "sim" else {}
-        res = launch(train_rank, run.layout.world, backend=run.backend, args=(run, collect, shared, init),
-                     **extra)
+        res = launch(train_rank, run.layout.world, backend=run.backend,
+                     args=(run, collect, shared, init) + ((progress,) if run.backend == "sim" else ()),
+                     timeout=timeout, **extra)
     wall = time.perf_counter() - t0
     return TrainResult(run, res.values[0]["losses"], res.values[0]["step_times"], wall, res.ledger,
                        source.loss_floor, source.describe(), res.values,

@@ -191,6 +191,7 @@ class ComputeModel(TorchDispatchMode):
         self.bytes = 0
         self._formula: dict = {}  # op -> its FLOP formula, None (bytes only) or False (free)
         self._fused = None  # [seconds, attention?] while inside a fused region
+        self.slowdown = 1.0  # this rank's kernels take this many times as long (an injected slow rank)
 
     def _classify(self, func):
         packet = func._overloadpacket
@@ -239,10 +240,10 @@ class ComputeModel(TorchDispatchMode):
     def _kernel(self, name: str, seconds: float, nbytes: int) -> None:
         """One kernel of max(its FLOP time, its bytes' time), issued by the host one floor
         after the previous (the clock's two queues); counted, and kept by name in `by_op`."""
-        cost = max(seconds, nbytes / self.byte_rate)
+        cost = max(seconds, nbytes / self.byte_rate) * self.slowdown
         self.bytes += nbytes
         self.kernels += 1
-        self.clock.launch(self.floor, cost, name)
+        self.clock.launch(self.floor * self.slowdown, cost, name)
         if self.by_op is not None:
             row = self.by_op.setdefault(name, [0, 0.0, 0])
             row[0], row[1], row[2] = row[0] + 1, row[1] + cost, row[2] + nbytes

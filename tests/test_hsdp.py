@@ -120,7 +120,8 @@ def test_bytes_by_link_put_the_shard_group_on_nvlink_and_the_replicas_on_the_net
     """dp 8 as 2 replicas × 4 shards on nodes of 4 GPUs: rank 0's reduce-scatters and
     all-gathers stay in its node, its all-reduces across replicas all leave it."""
     from playground.summary import link_classes
-    res = train(RunConfig(model=TINY, layout=Layout(dp=8, dp_replicate=2, zero=1), steps=2, progress=False))
+    res = train(RunConfig(model=TINY, layout=Layout(dp=8, dp_replicate=2, zero=1), steps=2, progress=False,
+                          on_nan="off"))  # (the NaN check's all-reduce spans the world: left out here)
     by_kind: dict = {}
     for e in res.ledger.per_rank[0]:
         by_kind[e.label.split(".")[1]] = by_kind.get(e.label.split(".")[1], 0) + e.bytes_sent / 2

@@ -222,6 +222,20 @@ class ZeroDataParallel(nn.Module):
             w.wait()
         return True
 
+    def local_grads(self) -> list:
+        """[(name, tensor)]: the gradients this rank holds now (each unit's full flat gradient at
+        stages 0-1, its shard at 2-3), in forward order; the tensors themselves, not copies."""
+        out = []
+        for u in self.units:
+            g = u.grad_flat[u.lo:u.hi] if self.stage < 2 and u.grad_flat is not None else u.grad_shard
+            if g is not None:
+                out.append((f"{self.label} unit {u.name}", g))
+        return out
+
+    def skip_step(self) -> None:
+        """Drop this step's gradients without updating (a step found non-finite)."""
+        self._zero_grads()
+
     def _zero_grads(self) -> None:
         """Stages 0-1 zero their full gradients; stages 2-3 free their shards (FSDP2's grads
         after zero_grad(set_to_none=True)): they do not exist through the next forward."""

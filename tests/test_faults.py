@@ -1,0 +1,208 @@
+"""Faults on purpose: injected crashes, hangs, slow ranks and NaN gradients are found (a
+crash at once, a hang by the collective timeout naming who waits for whom, a NaN before the
+optimizer step on every rank alike), and a restart from the last checkpoint continues the
+same run bit for bit."""
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from collectives import CollectiveTimeoutError, RankFailedError
+from model import preset
+from playground import Layout, RunConfig, train
+from playground.checkpoint import export
+from playground.faults import Fault, InjectedCrash, NonFiniteError, parse_fault
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(layout=None, steps=4, **kw):
+    return RunConfig(model=kw.pop("model", preset("tiny")), layout=layout or Layout(dp=2), steps=steps,
+                     progress=False, **kw)
+
+
+# -- the fault's text ---------------------------------------------------------------------------
+def test_faults_parse_and_bad_ones_name_the_text():
+    assert parse_fault("crash@5:1") == Fault("crash", 5, 1)
+    assert parse_fault("crash!@2:0") == Fault("crash", 2, 0, permanent=True)
+    assert parse_fault("slow:2.5@3:1") == Fault("slow", 3, 1, factor=2.5)
+    assert str(parse_fault("slow:3@2:0")) == "slow:3@2:0" and str(parse_fault("nan@1:0")) == "nan@1:0"
+    for bad, message in (("crash", "KIND@STEP:RANK"), ("boom@1:0", "KIND@STEP:RANK"), ("crash@0:1", "counts from 1"),
+                         ("slow@2:0", "slow needs a factor"), ("slow:0.5@2:0", "above 1"), ("nan:3@1:0", "KIND")):
+        with pytest.raises(ValueError, match=message):
+            parse_fault(bad)
+    with pytest.raises(ValueError, match=r"rank 4 is not in the world of 2 ranks"):
+        _run(faults=(Fault("crash", 1, 4),))
+
+
+# -- detection ----------------------------------------------------------------------------------
+def test_a_crash_stops_every_rank_at_once():
+    t = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        train(_run(faults=(Fault("crash", 2, 1),)))
+    assert isinstance(info.value.__cause__, InjectedCrash) and info.value.rank == 1
+    assert time.monotonic() - t < 30
+
+
+def test_a_hang_is_found_by_the_timeout_naming_who_waits_for_whom():
+    before = threading.active_count()
+    t = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError) as info:
+        train(_run(Layout(dp=3), faults=(Fault("hang", 2, 1),), timeout=1.5))
+    took = time.monotonic() - t
+    text = str(info.value)
+    assert text.startswith("timeout: rank ") and "ranks [1] never arrived" in text
+    assert "rank 1: in no call" in text and "rank 0: waits in all_reduce" in text
+    assert 1.5 <= took < 30 and threading.active_count() == before  # no rank thread left behind
+
+
+@pytest.mark.parametrize("layout", [Layout(dp=2), Layout(dp=2, zero=3), Layout(pp=2, microbatches=2)],
+                         ids=["ddp", "zero3", "pp"])
+def test_a_nan_stops_the_run_on_every_rank_naming_rank_and_tensor(layout):
+    with pytest.raises(NonFiniteError, match=r"step 2: a NaN or an Inf in the gradient of .* on rank 1"):
+        train(_run(layout, faults=(Fault("nan", 2, 1),)))
+
+
+@pytest.mark.parametrize("layout", [Layout(dp=2), Layout(dp=2, zero=3)], ids=["ddp", "zero3"])
+def test_a_nan_step_is_skipped_on_every_rank_and_the_replicas_stay_equal(layout, tmp_path):
+    """With --on-nan skip the poisoned step changes no weight anywhere: the run equals one whose
+    step 2 never happened... and the replicas hold the same weights (the check gathers them)."""
+    from playground import check
+    rep = check(_run(layout, steps=3, dtype="float64", faults=(Fault("nan", 2, 1),), on_nan="skip"))
+    assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
+    assert rep.result.values[0]["skipped_steps"] == [2]
+    res = train(_run(layout, steps=3, faults=(Fault("nan", 2, 1),), on_nan="skip", save=str(tmp_path / "a")))
+    assert res.values[1]["skipped_steps"] == [2]
+
+
+def test_unchecked_a_nan_spreads_silently():
+    """--on-nan off: nothing stops it, and the loss turns NaN (what the check is for)."""
+    res = train(_run(steps=3, faults=(Fault("nan", 1, 1),), on_nan="off"))
+    assert any(x != x for x in res.losses)
+
+
+def test_a_slow_rank_is_a_straggler_on_simulated_time():
+    run = _run(steps=4, hardware="h100-sxm", faults=(Fault("slow", 3, 1, factor=4.0),))
+    res = train(run)
+    idle = [s["idle"] for s in res.values[0]["sim_steps"]]
+    assert idle[2] > 3 * max(idle[0], 1e-6) and idle[3] > 3 * max(idle[0], 1e-6)
+    assert res.values[1]["sim_steps"][3]["time"] > 2 * res.values[1]["sim_steps"][0]["time"]
+
+
+# -- restart ------------------------------------------------------------------------------------
+RESTART_LAYOUTS = {
+    "ddp": Layout(dp=2),
+    "zero3": Layout(dp=2, zero=3),
+    "tp2-sp": Layout(tp=2, sequence_parallel=True),
+    "pp2": Layout(pp=2, microbatches=2),
+    "cp2": Layout(cp=2),
+    "ep2": Layout(dp=2, ep=2),
+}
+
+
+def _same_run(layout, dtype, tmp_path, faults):
+    model = preset("tiny-moe") if layout.ep > 1 else preset("tiny")
+    kw = dict(model=model, dtype=dtype, save_every=2)
+    whole = train(_run(layout, steps=6, save=str(tmp_path / "whole"), **kw))
+    again = train(_run(layout, steps=6, save=str(tmp_path / "again"), faults=faults, max_restarts=len(faults), **kw))
+    a, b = export(str(tmp_path / "whole")), export(str(tmp_path / "again"))
+    return whole, again, a, b
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in ("ddp", "zero3") else pytest.mark.slow)
+                                  for n in RESTART_LAYOUTS])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_restart_after_a_crash_continues_the_same_run_bitwise(name, dtype, tmp_path):
+    whole, again, a, b = _same_run(RESTART_LAYOUTS[name], dtype, tmp_path, (Fault("crash", 5, 1),))
+    assert [(r.fault, r.failed_step, r.resumed_from, r.steps_recomputed) for r in again.restarts] == \
+        [("crash@5:1", 5, 4, 0)]
+    assert again.losses == whole.losses[4:]  # the steps after the checkpoint, bit for bit
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_a_restart_after_a_hang_and_a_crash_recomputes_what_the_checkpoint_lacked(tmp_path):
+    whole, again, a, b = _same_run(Layout(dp=2), "float32", tmp_path,
+                                   (Fault("hang", 4, 0), Fault("crash", 6, 1)))
+    hang, crash = again.restarts
+    assert (hang.fault, hang.resumed_from, hang.steps_recomputed) == ("hang@4:0", 2, 1)
+    assert "timeout" in hang.detected and hang.wall_lost_s >= 1.0
+    assert (crash.fault, crash.resumed_from, crash.steps_recomputed) == ("crash@6:1", 4, 1)
+    assert again.losses == whole.losses[4:] and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_restarts_are_bounded_and_a_rank_lost_for_good_is_not_restarted(tmp_path):
+    with pytest.raises(RankFailedError):  # two crashes, one restart
+        train(_run(steps=6, save=str(tmp_path / "a"), save_every=2, max_restarts=1,
+                   faults=(Fault("crash", 3, 1), Fault("crash", 5, 0))))
+    with pytest.raises(RankFailedError, match="lost for good"):
+        train(_run(steps=6, save=str(tmp_path / "b"), save_every=2, max_restarts=1,
+                   faults=(Fault("crash", 3, 1, permanent=True),)))
+    with pytest.raises(ValueError, match="--max-restarts 1 restarts from the last checkpoint: it needs --save"):
+        _run(max_restarts=1)
+
+
+# -- the command line and torchrun --------------------------------------------------------------
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "playground", *args], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env=env)
+
+
+def test_the_report_tells_what_each_fault_cost(tmp_path):
+    out = _cli("train", "--dp", "2", "--steps", "6", "--save", str(tmp_path / "c"), "--save-every", "2",
+               "--inject", "crash@5:1", "--inject", "nan@3:0", "--on-nan", "skip", "--max-restarts", "1",
+               "--no-progress")
+    assert out.returncode == 0, out.stderr
+    assert "restart 1 of 1 from the checkpoint at step 4" in out.stderr and "step 3 skipped" in out.stderr
+    assert "crash@5:1" in out.stdout and "rank 1 raised InjectedCrash" in out.stdout
+    assert "the step skipped on every rank" in out.stdout
+    bad = _cli("train", "--inject", "crash@x:1")
+    assert bad.returncode == 2 and "--inject 'crash@x:1'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_crashed_job_that_resumes_auto(tmp_path):
+    """Under torchrun (gloo on the CPU), --resume auto makes torchrun's own --max-restarts
+    continue the run from the newest checkpoint: the final weights are the uninterrupted run's."""
+    base = ["--dp", "2", "--steps", "6", "--save-every", "2", "--backend", "torch", "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def torchrun(*args, restarts=0):
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               "--max-restarts", str(restarts), "-m", "playground", "train", *base, *args],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    whole = torchrun("--save", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    again = torchrun("--save", str(tmp_path / "again"), "--resume", "auto", "--inject", "crash@5:1", restarts=1)
+    assert again.returncode == 0, again.stderr[-2000:]
+    a, b = export(str(tmp_path / "whole")), export(str(tmp_path / "again"))
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+# -- planning for failures ----------------------------------------------------------------------
+def test_young_and_daly_intervals_and_the_goodput_they_maximise():
+    from playground.goodput import daly_interval, goodput, young_interval
+    delta, mtbf, restart = 30.0, 6 * 3600.0, 120.0
+    assert young_interval(delta, mtbf) == pytest.approx((2 * delta * mtbf) ** 0.5)
+    tau = daly_interval(delta, mtbf)
+    assert abs(tau - young_interval(delta, mtbf)) < 0.05 * tau  # δ << M: Daly's is Young's, nearly
+    best = max((goodput(t, delta, mtbf, restart), t) for t in [tau * f / 100 for f in range(20, 500)])
+    assert best[1] == pytest.approx(tau, rel=0.03) and goodput(tau, delta, mtbf, restart) < 1
+    assert daly_interval(3 * mtbf, mtbf) == mtbf  # δ beyond 2M: checkpoint every M
+
+
+def test_a_plan_says_what_a_checkpoint_costs_and_when_to_take_it():
+    from playground.goodput import checkpoint_bytes, failure_plan
+    cfg = preset("7b")
+    assert checkpoint_bytes(cfg, Layout(dp=8)) == 12 * cfg.n_params()  # one rank writes its replica
+    assert checkpoint_bytes(cfg, Layout(dp=8, zero=1)) == -(-12 * cfg.n_params() // 8)
+    assert checkpoint_bytes(cfg, Layout(dp=4, tp=2, zero=3)) == -(-12 * cfg.n_params() // 8)
+    f = failure_plan(cfg, Layout(dp=64, zero=3), step_s=2.0, gbps=1.0, mtbf_hours=50_000)
+    assert f.write_s == pytest.approx(f.bytes_per_rank / 1e9)
+    assert f.mtbf_s == pytest.approx(50_000 * 3600 / 64) and 0.9 < f.goodput < 1
+    assert f.goodput > f.goodput_every_step
+    out = _cli("plan", "--dp", "2", "--hardware", "h100-sxm", "--mtbf-hours", "1000")
+    assert out.returncode == 0 and "checkpoint every" in out.stdout and "Daly 2006" in out.stdout
