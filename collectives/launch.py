@@ -272,7 +272,18 @@ def _launch_torchrun(fn, world_size, args, kwargs, timeout) -> LaunchResult:
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
+        limit = datetime.timedelta(seconds=timeout)
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if attempt:  # a job torchrun restarted: its store still holds the last attempt's addresses, which
+            # gloo would dial (connection refused); this attempt's keys go under a prefix of their own
+            agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            rank = int(os.environ["RANK"])
+            store = dist.PrefixStore(f"/playground/attempt_{attempt}", dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), n, is_master=not agent and rank == 0,
+                timeout=limit))
+            dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=n, timeout=limit)
+        else:
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=limit)
     ledger = Ledger(n)
     origin = time.perf_counter()
     world = TorchProcessGroup(None, range(n), ledger, origin,

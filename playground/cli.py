@@ -82,12 +82,22 @@ def _is_rank0(backend: str) -> bool:
 
 
 def main(argv=None) -> int:
-    verb = "playground"
+    verb, code = "playground", 1
     try:
         argv = sys.argv[1:] if argv is None else list(argv)
         args = parse(argv)
         verb = f"playground {args.verb}"
-        return _main(args, given(argv))
+        code = _main(args, given(argv))
+        return code
+    except Exception as e:  # noqa: BLE001
+        dist = sys.modules.get("torch.distributed")
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            raise  # (a bug: its traceback)
+        # under torchrun, this rank's own failure (an injected crash, a peer gone from a
+        # collective): one line, then leave at once, since its peers may wait in a collective
+        print(f"{verb}: rank {dist.get_rank()} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"\n{verb}: interrupted", file=sys.stderr)
         sys.stdout.flush()
@@ -103,9 +113,14 @@ def main(argv=None) -> int:
         dist = sys.modules.get("torch.distributed")
         if dist is not None and getattr(dist, "is_initialized", None) and dist.is_available() and dist.is_initialized():
             import torch  # torchrun: leave NCCL/gloo cleanly
-            cuda = dist.get_backend() == "nccl"
-            dist.barrier(device_ids=[torch.cuda.current_device()] if cuda else None)
+            if code == 0:  # (after a failure the others may be inside a collective: no barrier to meet them in)
+                cuda = dist.get_backend() == "nccl"
+                dist.barrier(device_ids=[torch.cuda.current_device()] if cuda else None)
             dist.destroy_process_group()
+            if code != 0:  # leave now: the rank's peers may still wait in a collective (torchrun restarts the job)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
 
 
 def _main(args, typed: set) -> int:

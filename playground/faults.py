@@ -12,10 +12,12 @@ rank (`--inject KIND@STEP:RANK`), and how a run finds each (docs/architecture.md
   forward and backward. The others wait for it (a straggler: their idle time in the step).
 - `nan@S:R`: after the backward of step S, one element of rank R's first gradient is NaN
   (a corrupted value on one device). Before every optimizer step each rank checks its loss
-  and gradients (one max-norm over them, `torch._foreach_norm`), and one all-reduce of a flag
-  per rank tells every rank alike which ranks saw a NaN or an Inf (Megatron-LM checks the
-  same before its step); the step is then skipped on every rank, or the run stops
-  (`--on-nan skip|stop|off`), naming the first rank and tensor.
+  and gradients (one max-norm over them, `torch._foreach_norm`), and a flag per rank,
+  all-reduced over the data- and tensor-parallel group and then over the pipeline's stages
+  (one all-reduce without a pipeline), tells every rank alike which ranks saw a NaN or an Inf
+  (Megatron-LM checks the same before its step); the step is then skipped on every rank, or
+  the run stops (`--on-nan skip|stop|off`), naming the first rank and tensor. A plan prices
+  the check as a run does it.
 
 Steps are counted from 1, as the report counts them.
 """
@@ -122,9 +124,10 @@ class RankFaults:
                     grads[0][1].view(-1)[0] = float("nan")
 
 
-def nonfinite(model, total, world, check_grads: bool = True) -> str | None:
+def nonfinite(model, total, world, groups, check_grads: bool = True) -> str | None:
     """Whether any rank's loss or gradients hold a NaN or an Inf, the same answer on every rank
-    (one all-reduce of a flag per rank over `world`); None when none does, else what and where
+    (a flag per rank of `world`, all-reduced over each of `groups`, which together span it);
+    None when none does (and on the meta device, which has no values), else what and where
     (the lowest rank, its first tensor in the model's order)."""
     grads = model.local_grads() if check_grads else []
     values = [total.detach().reshape(1).to(torch.float32)]
@@ -132,7 +135,10 @@ def nonfinite(model, total, world, check_grads: bool = True) -> str | None:
         values.append(torch.stack(torch._foreach_norm([g for _, g in grads], math.inf)).to(torch.float32))
     flags = torch.zeros(world.size, dtype=torch.float32, device=total.device)
     flags[world.rank] = (~torch.cat(values).isfinite()).any().to(torch.float32)
-    world.all_reduce(flags, op=ReduceOp.MAX, label="faults.nonfinite")
+    for group in groups:
+        group.all_reduce(flags, op=ReduceOp.MAX, label="faults.nonfinite")
+    if flags.is_meta:
+        return None
     bad = [r for r, v in enumerate(flags.tolist()) if v]
     if not bad:
         return None

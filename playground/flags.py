@@ -353,6 +353,10 @@ def _fault_flags(p) -> None:
                    help="a rank waiting longer in one collective stops the run, naming the ranks waiting and the call "
                         "(torch.distributed's timeout, NCCL's watchdog) (default: 600 on gloo and torch; on sim 60, "
                         "or three of the run's estimated steps where longer)")
+    f.add_argument("--elastic", type=whole(1), metavar="MIN",
+                   help="with --max-restarts: after a rank is lost for good (crash!), continue on fewer ranks, down to "
+                        "MIN: one data-parallel replica fewer, the global batch kept by more microbatches, the "
+                        "checkpoint resharded (torchrun --nnodes MIN:MAX)")
     f.add_argument("--max-restarts", type=whole(0), default=0,
                    help="after a crash or a hang, restart from the last checkpoint of --save, up to this many times, "
                         "and continue to --steps (torchrun --max-restarts)")

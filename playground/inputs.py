@@ -263,7 +263,7 @@ def run_config(args, typed: set):
                     init_from=getattr(args, "init_from", None), compile=getattr(args, "compile", False),
                     bf16_copies=args.bf16_copies, faults=_faults(args, backend),
                     on_nan=getattr(args, "on_nan", "stop"), timeout=getattr(args, "timeout", None),
-                    max_restarts=getattr(args, "max_restarts", 0))
+                    max_restarts=getattr(args, "max_restarts", 0), elastic=getattr(args, "elastic", None))
     _exist(args)
     if run.backend == "sim" and not meta:  # (a plan's ranks hold meta tensors: no memory)
         check_simulated_memory(run)

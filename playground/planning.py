@@ -57,6 +57,7 @@ def plan_rank(world, run) -> dict:
         with compute.paused() if step == 0 else compute.step():  # (a step starts with host and device in step)
             before = clock.breakdown()
             total = rank.forward_backward(micro[:fewest] if step == 0 else micro)
+            rank.nonfinite(total)  # as a training step does
             rank.update()
             rank.average_loss(total)  # as a training step does
             after = clock.breakdown()

@@ -17,6 +17,7 @@ from model import GPT
 from simulator import MemoryTracker
 
 from .data_parallel import data_parallel_group
+from .faults import nonfinite
 from .parallelize import parallelize
 
 
@@ -39,6 +40,8 @@ class RankProgram:
                                  device, state_dict=state_dict)
         n = layout.global_batch // layout.dp
         self.rows = slice(self.dp.rank * n, (self.dp.rank + 1) * n)  # this rank's rows of each global batch
+        # the NaN check's groups: data- and tensor-parallel ranks, then the pipeline's stages (the world)
+        self.everyone = [g for g in (self.mesh.group("dp", "cp", "tp"), self.mesh.group("pp")) if g.size > 1]
 
     def local(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a global batch (rows of seq_len + 1 tokens)."""
@@ -58,6 +61,14 @@ class RankProgram:
 
     def update(self) -> None:
         self.model.step()
+
+    def nonfinite(self, total: torch.Tensor) -> str | None:
+        """A NaN or an Inf in any rank's loss or gradients, found alike on every rank before the
+        optimizer step (playground/faults.py); None with --on-nan off. Under fp16 the loss
+        scaler's overflow check keeps the gradients: the loss alone is checked."""
+        if self.run.on_nan == "off":
+            return None
+        return nonfinite(self.model, total, self.world, self.everyone, check_grads=self.run.dtype != "float16")
 
     def average_loss(self, total: torch.Tensor, async_op: bool = False):
         """The loss averaged over the data-parallel replicas, in place (one small all-reduce,

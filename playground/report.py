@@ -120,15 +120,14 @@ def train_summary(res) -> str:
 def faults_table(res) -> str:
     """Each injected fault (and each failure that stopped a launch): how it was found, how the
     run recovered, and what it cost (playground/faults.py; training.Restart)."""
-    run, rows = res.run, []
-    restarted = {r.fault: r for r in res.restarts}
+    run = res.run
+    # the faults that stopped a launch (each restart removed its own from the run's), then the rest
+    rows = [[r.fault, r.detected, f"restart from step {r.resumed_from}" + (f" on {r.layout}" if r.layout else ""),
+             r.steps_recomputed, f"{r.wall_lost_s:.2f} s", f"{r.sim_lost_s * 1e3:.2f} ms" if r.sim_lost_s is not None
+             else "-"] for r in res.restarts]
     skipped = res.values[0].get("skipped_steps") or []
     for f in sorted(run.faults, key=lambda f: (f.step, f.rank)):
-        r = restarted.pop(str(f), None)
-        if r is not None:
-            rows.append([str(f), r.detected, f"restart from step {r.resumed_from}", r.steps_recomputed,
-                         f"{r.wall_lost_s:.2f} s", f"{r.sim_lost_s * 1e3:.2f} ms" if r.sim_lost_s is not None else "-"])
-        elif f.kind == "slow":
+        if f.kind == "slow":
             rows.append([str(f), "a straggler: " + _straggler(res, f), "none needed", 0, "-", "-"])
         elif f.kind == "nan":  # (in an earlier launch, before a restart, the check found it just the same)
             found = f.step in skipped or (run.on_nan == "skip" and f.step <= res.start)
@@ -136,9 +135,6 @@ def faults_table(res) -> str:
                          "the step skipped on every rank" if found else "-", 0, "-", "-"])
         elif f.step > run.steps or f.step <= res.start:
             rows.append([str(f), "never reached (outside this run's steps)", "-", 0, "-", "-"])
-    for r in restarted.values():  # failures that were not injected
-        rows.append([r.fault, r.detected, f"restart from step {r.resumed_from}", r.steps_recomputed,
-                     f"{r.wall_lost_s:.2f} s", f"{r.sim_lost_s * 1e3:.2f} ms" if r.sim_lost_s is not None else "-"])
     return ("\nfaults (steps counted from 1; lost: from the last checkpoint written to the failure found, the "
             "detection included):\n" + table(["fault", "detected", "recovery", "steps recomputed", "wall time lost",
                                               "simulated time lost"], rows))

@@ -63,6 +63,7 @@ class RunConfig:
     on_nan: str = "stop"
     timeout: float | None = None
     max_restarts: int = 0
+    elastic: int | None = None  # a restart may continue on fewer ranks, down to this many (a rank lost for good)
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(DTYPES)}")
@@ -100,6 +101,11 @@ class RunConfig:
         if self.max_restarts and not self.save:
             raise ValueError(f"--max-restarts {self.max_restarts} restarts from the last checkpoint: it needs "
                              f"--save DIR (and --save-every K to lose fewer steps)")
+        if self.elastic is not None and not 1 <= self.elastic <= layout.world:
+            raise ValueError(f"--elastic {self.elastic}: the fewest ranks a restart may continue on, between 1 and "
+                             f"the world of {layout.world}")
+        if self.elastic is not None and not self.max_restarts:
+            raise ValueError(f"--elastic {self.elastic} lets a restart continue on fewer ranks: give --max-restarts R")
         for f in self.faults:
             if f.rank >= layout.world:
                 raise ValueError(f"--inject {f}: rank {f.rank} is not in the world of {layout.world} ranks "

@@ -122,7 +122,8 @@ def train_json(res) -> dict:
                      "skipped_steps": res.values[0].get("skipped_steps", []),
                      "restarts": [{"fault": r.fault, "detected": r.detected, "failed_step": r.failed_step,
                                    "resumed_from": r.resumed_from, "steps_recomputed": r.steps_recomputed,
-                                   "wall_lost_s": r.wall_lost_s, "sim_lost_s": r.sim_lost_s} for r in res.restarts]}
+                                   "wall_lost_s": r.wall_lost_s, "sim_lost_s": r.sim_lost_s, "layout": r.layout}
+                                  for r in res.restarts]}
     out["simulated"] = None
     if run.hardware:
         per_rank = []

@@ -24,7 +24,7 @@ from simulator import SimulatedTime
 
 from . import checkpoint
 from .data import make_source
-from .faults import NonFiniteError, RankFaults, nonfinite
+from .faults import NonFiniteError, RankFaults
 from .rank_program import RankProgram
 from .run_config import RunConfig
 
@@ -175,8 +175,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
             if not timing:  # (on simulated time the compute model slows the rank's kernels)
                 faults.straggle(step + 1, time.perf_counter() - t_work)
             faults.corrupt(model, step + 1)
-            found = nonfinite(model, total, world, check_grads=run.dtype != "float16") \
-                if run.on_nan != "off" else None  # (fp16: the loss scaler skips overflowing steps itself)
+            found = rank.nonfinite(total)
             if found and run.on_nan == "stop":
                 raise NonFiniteError(f"step {step + 1}: {found}; stopped before the optimizer step (--on-nan skip "
                                      f"skips such a step)")
@@ -327,6 +326,7 @@ class Restart:
     resumed_from: int  # the checkpoint's step the restart continued from
     wall_lost_s: float  # wall time from the checkpoint written to the failure found
     sim_lost_s: float | None  # simulated time of the steps recomputed
+    layout: str | None = None  # the layout the restart continued on, where it shrank (--elastic)
 
     @property
     def steps_recomputed(self) -> int:
@@ -365,9 +365,13 @@ def train(run: RunConfig, collect: bool = False) -> TrainResult:
             pending = sorted((f for f in faults if f.kind in ("crash", "hang") and f.step > start),
                              key=lambda f: (f.step, f.rank))
             fired = pending[0] if pending else None
+            shrunk = None
             if fired is not None and fired.permanent:
-                raise RankFailedError(fired.rank, f"rank {fired.rank} is lost for good ({fired}): a restart onto "
-                                                  f"the same {run.layout.world} ranks cannot continue the run") from e
+                if run.elastic is None:
+                    raise RankFailedError(fired.rank, f"rank {fired.rank} is lost for good ({fired}): a restart onto "
+                                                      f"the same {run.layout.world} ranks cannot continue the run (--elastic "
+                                                      f"MIN lets it continue on fewer)") from e
+                shrunk = elastic_layout(run, fired)
             resumed = checkpoint.read_index(run.save)["step"] if checkpoint.has_checkpoint(run.save) else 0
             step = fired.step if fired else (progress.step + 1 if progress else resumed + 1)
             wall_lost, sim_lost = (failed - progress.saved_at[1], None) if progress else (failed - t0, None)
@@ -376,16 +380,48 @@ def train(run: RunConfig, collect: bool = False) -> TrainResult:
             how = (f"the others' collective timeout ({collective_timeout(attempt):g} s)"
                    if isinstance(e, CollectiveTimeoutError) else
                    f"rank {e.rank} raised {type(e.__cause__).__name__ if e.__cause__ else 'an error'}")
-            restarts.append(Restart(str(fired) if fired else type(e).__name__, how, step, resumed, wall_lost, sim_lost))
+            restarts.append(Restart(str(fired) if fired else type(e).__name__, how, step, resumed, wall_lost, sim_lost,
+                                    shrunk.describe() if shrunk else None))
             if fired is not None:
                 faults.remove(fired)
             print(f"playground: {restarts[-1].fault} at step {step} ({how}); restart {len(restarts)} of "
-                  f"{run.max_restarts} from " + (f"the checkpoint at step {resumed}" if resumed else "the start"),
-                  file=sys.stderr)
+                  f"{run.max_restarts} from " + (f"the checkpoint at step {resumed}" if resumed else "the start")
+                  + (f" on {shrunk.describe()}" if shrunk else ""), file=sys.stderr)
+            if shrunk is not None:  # the faults of ranks that are no more go with them
+                faults = [f for f in faults if f.rank < shrunk.world]
+                run = replace(run, layout=shrunk, faults=tuple(faults))
             run = replace(run, resume=run.save if resumed else None)
     res.restarts = restarts
     res.wall_s = time.perf_counter() - t0
     return res
+
+
+def elastic_layout(run: RunConfig, lost):
+    """The layout a restart continues on without the rank `lost` (a Fault): one data-parallel
+    replica fewer (every rank of the lost one's replica goes: its model-parallel peers hold
+    nothing the others lack), the global batch kept by more microbatches; RankFailedError
+    naming the numbers when that cannot be (fewer than --elastic ranks, a batch that does not
+    split, a layout that does not validate)."""
+    from dataclasses import replace as with_
+    layout = run.layout
+    per_replica = layout.world // layout.dp
+    dp = layout.dp - 1
+    fail = f"rank {lost.rank} is lost for good ({lost}): "
+    if layout.dp_replicate > 1:
+        raise RankFailedError(lost.rank, fail + "shrinking a hybrid-sharded layout is not built")
+    if dp < 1 or dp * per_replica < run.elastic:
+        raise RankFailedError(lost.rank, fail + f"without its replica {dp * per_replica} ranks are left, fewer than "
+                                                f"--elastic {run.elastic}")
+    batch, mbs = layout.global_batch, layout.micro_batch_size
+    if batch % (dp * mbs):
+        raise RankFailedError(lost.rank, fail + f"the global batch of {batch} sequences does not split over dp {dp} × "
+                                                f"micro-batch {mbs}: no layout of {dp * per_replica} ranks keeps it")
+    shrunk = with_(layout, dp=dp, microbatches=batch // (dp * mbs))
+    try:
+        shrunk.validate(run.model)
+    except ValueError as e:
+        raise RankFailedError(lost.rank, fail + f"the layout without its replica does not hold: {e}") from None
+    return shrunk
 
 
 def attempt_start(run: RunConfig) -> int:

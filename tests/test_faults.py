@@ -108,7 +108,8 @@ def _same_run(layout, dtype, tmp_path, faults):
     model = preset("tiny-moe") if layout.ep > 1 else preset("tiny")
     kw = dict(model=model, dtype=dtype, save_every=2)
     whole = train(_run(layout, steps=6, save=str(tmp_path / "whole"), **kw))
-    again = train(_run(layout, steps=6, save=str(tmp_path / "again"), faults=faults, max_restarts=len(faults), **kw))
+    again = train(_run(layout, steps=6, save=str(tmp_path / "again"), faults=faults, max_restarts=len(faults),
+                       timeout=1.5, **kw))
     a, b = export(str(tmp_path / "whole")), export(str(tmp_path / "again"))
     return whole, again, a, b
 
@@ -132,6 +133,37 @@ def test_a_restart_after_a_hang_and_a_crash_recomputes_what_the_checkpoint_lacke
     assert "timeout" in hang.detected and hang.wall_lost_s >= 1.0
     assert (crash.fault, crash.resumed_from, crash.steps_recomputed) == ("crash@6:1", 4, 1)
     assert again.losses == whole.losses[4:] and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_an_elastic_restart_continues_on_fewer_ranks_as_a_run_that_changed_layout_there(tmp_path):
+    """dp 4 loses rank 1 for good at step 5: the restart continues on dp 3 from the checkpoint
+    of step 4, the global batch of 12 kept by 4 microbatches instead of 3, the checkpoint
+    resharded; it ends where a run that moved to dp 3 at step 4 ends (float64), and within the
+    check's tolerance of one that never left dp 4."""
+    four, three = Layout(dp=4, micro_batch_size=1, microbatches=3), Layout(dp=3, micro_batch_size=1, microbatches=4)
+    kw = dict(dtype="float64", save_every=2)
+    again = train(_run(four, steps=6, save=str(tmp_path / "again"), max_restarts=1, elastic=2,
+                       faults=(Fault("crash", 5, 1, permanent=True), Fault("crash", 6, 3)), **kw))
+    (r,) = again.restarts
+    assert (r.fault, r.resumed_from, r.layout) == ("crash!@5:1", 4, three.describe())
+    assert again.run.layout == three and again.run.faults == ()  # (rank 3 is no more: its fault went with it)
+    train(_run(four, steps=4, save=str(tmp_path / "moved"), **kw))
+    moved = train(_run(three, steps=6, save=str(tmp_path / "moved"), resume=str(tmp_path / "moved"), **kw))
+    whole = train(_run(four, steps=6, save=str(tmp_path / "whole"), **kw))
+    assert again.losses == moved.losses
+    a, b, c = export(str(tmp_path / "again")), export(str(tmp_path / "moved")), export(str(tmp_path / "whole"))
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert all(torch.allclose(a[n], c[n], rtol=1e-10, atol=1e-12) for n in a)
+    assert max(abs(x - y) for x, y in zip(again.losses, whole.losses[4:])) < 1e-12
+
+
+def test_an_elastic_restart_that_cannot_keep_the_batch_says_why(tmp_path):
+    with pytest.raises(RankFailedError, match=r"the global batch of 8 sequences does not split over dp 3"):
+        train(_run(Layout(dp=4, micro_batch_size=2), steps=4, save=str(tmp_path / "a"), max_restarts=1, elastic=2,
+                   faults=(Fault("crash", 2, 0, permanent=True),)))
+    with pytest.raises(RankFailedError, match=r"1 ranks are left, fewer than --elastic 2"):
+        train(_run(Layout(dp=2, micro_batch_size=2), steps=4, save=str(tmp_path / "b"), max_restarts=1, elastic=2,
+                   faults=(Fault("crash", 2, 0, permanent=True),)))
 
 
 def test_restarts_are_bounded_and_a_rank_lost_for_good_is_not_restarted(tmp_path):
