@@ -175,7 +175,7 @@ def _gloo_worker(fn, rank, n, store, outdir, args, kwargs, timeout, parent):
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n,
                                 timeout=datetime.timedelta(seconds=timeout))
         ledger = Ledger(n)
-        world = TorchProcessGroup(None, range(n), ledger, time.perf_counter())
+        world = TorchProcessGroup(None, range(n), ledger, time.perf_counter(), timeout=timeout)
         out["value"] = fn(world, *args, **kwargs)
         out["ledger"] = ledger.per_rank[rank]
         dist.barrier()
@@ -287,7 +287,7 @@ def _launch_torchrun(fn, world_size, args, kwargs, timeout) -> LaunchResult:
     ledger = Ledger(n)
     origin = time.perf_counter()
     world = TorchProcessGroup(None, range(n), ledger, origin,
-                              DeviceTimes(origin) if torch.cuda.is_available() else None)
+                              DeviceTimes(origin) if torch.cuda.is_available() else None, timeout=timeout)
     value = fn(world, *args, **kwargs)
     world.resolve_times()
     gathered = [None] * n

@@ -11,6 +11,7 @@ to 4× (benchmarks/results/gpu/run0_first/summary.md)."""
 from __future__ import annotations
 
 import collections
+import datetime
 import pickle
 import time
 import warnings
@@ -18,6 +19,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from .errors import CollectiveTimeoutError
 from .instruments import Instruments
 from .ledger import Ledger
 from .process_group import ProcessGroup, Work
@@ -76,16 +78,29 @@ class DeviceTimes:
 
 
 class TorchWork(Work):
-    def __init__(self, works, calls, origin: float, device_times: DeviceTimes | None, start_event=None):
+    def __init__(self, works, calls, origin: float, device_times: DeviceTimes | None, start_event=None,
+                 timeout: float | None = None):
         self._works, self._calls, self._origin = works, calls, origin
         self._times, self._start = device_times, start_event
+        self._timeout = timeout  # seconds the host may wait for a call on the CPU (gloo's async ops wait for ever)
         self._done = False
 
     def wait(self) -> bool:
         if not self._done:
             for w in self._works:
-                if w is not None:
+                if w is None:
+                    continue
+                if self._times is not None or not self._timeout:
                     w.wait()  # NCCL: the current stream waits for the transfer, not the host
+                    continue
+                try:
+                    w.wait(datetime.timedelta(seconds=self._timeout))
+                except RuntimeError as e:
+                    if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+                        raise
+                    c = self._calls[0]
+                    raise CollectiveTimeoutError(f"timeout: rank {c.rank} waited {self._timeout:g} s in {c.describe()}: "
+                                                 f"a peer never arrived ({str(e).splitlines()[0]})") from None
             if self._times is not None:
                 self._times.ended(self._calls, self._start)
             else:
@@ -130,9 +145,11 @@ class TorchProcessGroup(ProcessGroup):
     timing = None  # time is measured here, not simulated
 
     def __init__(self, pg, ranks, ledger: Ledger, origin: float, device_times: DeviceTimes | None = None,
-                 instruments: Instruments | None = None):
+                 instruments: Instruments | None = None, timeout: float | None = None):
         """`device_times`: on CUDA, where the calls' events go (one for the whole world);
-        `instruments`: this process's (its groups share the world's)."""
+        `instruments`: this process's (its groups share the world's); `timeout`: seconds the
+        host waits for a call on the CPU before CollectiveTimeoutError."""
+        self._timeout = timeout
         self.instruments = instruments if instruments is not None else Instruments()
         self._pg = pg  # torch group handle (None: the default group)
         self.ranks = tuple(ranks)
@@ -162,7 +179,7 @@ class TorchProcessGroup(ProcessGroup):
     def _issue(self, call) -> Work:
         times, start = self._timing([call])
         work = self._start(call)
-        return TorchWork([work], [call], self._origin, times, start)
+        return TorchWork([work], [call], self._origin, times, start, self._timeout)
 
     def _issue_batch(self, calls) -> list:
         if not calls:
@@ -171,7 +188,7 @@ class TorchProcessGroup(ProcessGroup):
         ops = [dist.P2POp(dist.isend if c.op == "send" else dist.irecv, c.bufs["tensor"].obj,
                           self.ranks[c.root], self._pg) for c in calls]
         works = dist.batch_isend_irecv(ops)
-        shared = TorchWork(works, calls, self._origin, times, start)
+        shared = TorchWork(works, calls, self._origin, times, start, self._timeout)
         return [shared] * len(calls)
 
     def host_blocked(self) -> float:
@@ -252,4 +269,4 @@ class TorchProcessGroup(ProcessGroup):
         pg = dist.new_group(members)
         if dist.get_rank() not in members:
             return None
-        return TorchProcessGroup(pg, members, self._ledger, self._origin, self._times, self.instruments)
+        return TorchProcessGroup(pg, members, self._ledger, self._origin, self._times, self.instruments, self._timeout)

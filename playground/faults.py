@@ -85,6 +85,9 @@ class InjectedCrash(RuntimeError):
                          + (" (for good)" if fault.permanent else ""))
         self.fault = fault
 
+    def __reduce__(self):  # (a gloo rank's exception travels to the launcher pickled)
+        return InjectedCrash, (self.fault,)
+
 
 class NonFiniteError(CollectiveError):
     """A NaN or an Inf in the loss or a gradient, found on every rank alike before the

@@ -238,3 +238,19 @@ def test_a_plan_says_what_a_checkpoint_costs_and_when_to_take_it():
     assert f.goodput > f.goodput_every_step
     out = _cli("plan", "--dp", "2", "--hardware", "h100-sxm", "--mtbf-hours", "1000")
     assert out.returncode == 0 and "checkpoint every" in out.stdout and "Daly 2006" in out.stdout
+
+
+@pytest.mark.slow
+def test_on_gloo_a_hang_is_found_and_a_crash_restarts_the_same_run(tmp_path):
+    """The same faults on gloo processes: the async all-reduce a hung peer never joins times out
+    (torch's own wait for ever, bounded here), and a restart continues the run bit for bit."""
+    t = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match=r"waited 3 s in all_reduce"):
+        train(_run(steps=3, backend="gloo", faults=(Fault("hang", 2, 1),), timeout=3))
+    assert time.monotonic() - t < 120
+    kw = dict(steps=6, backend="gloo", save_every=2)
+    train(_run(save=str(tmp_path / "whole"), **kw))
+    again = train(_run(save=str(tmp_path / "again"), faults=(Fault("crash", 5, 1),), max_restarts=1, **kw))
+    assert [(r.fault, r.resumed_from) for r in again.restarts] == [("crash@5:1", 4)]
+    a, b = export(str(tmp_path / "whole")), export(str(tmp_path / "again"))
+    assert all(torch.equal(a[n], b[n]) for n in a)
