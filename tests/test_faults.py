@@ -60,14 +60,16 @@ def test_a_hang_is_found_by_the_timeout_naming_who_waits_for_whom():
     assert 1.5 <= took < 30 and threading.active_count() == before  # no rank thread left behind
 
 
-@pytest.mark.parametrize("layout", [Layout(dp=2), Layout(dp=2, zero=3), Layout(pp=2, microbatches=2)],
+@pytest.mark.parametrize("layout", [Layout(dp=2), pytest.param(Layout(dp=2, zero=3), marks=pytest.mark.slow),
+                                    pytest.param(Layout(pp=2, microbatches=2), marks=pytest.mark.slow)],
                          ids=["ddp", "zero3", "pp"])
 def test_a_nan_stops_the_run_on_every_rank_naming_rank_and_tensor(layout):
     with pytest.raises(NonFiniteError, match=r"step 2: a NaN or an Inf in the gradient of .* on rank 1"):
         train(_run(layout, faults=(Fault("nan", 2, 1),)))
 
 
-@pytest.mark.parametrize("layout", [Layout(dp=2), Layout(dp=2, zero=3)], ids=["ddp", "zero3"])
+@pytest.mark.parametrize("layout", [pytest.param(Layout(dp=2), marks=pytest.mark.slow), Layout(dp=2, zero=3)],
+                         ids=["ddp", "zero3"])
 def test_a_nan_step_is_skipped_on_every_rank_and_the_replicas_stay_equal(layout, tmp_path):
     """With --on-nan skip the poisoned step changes no weight anywhere: the run equals one whose
     step 2 never happened... and the replicas hold the same weights (the check gathers them)."""
@@ -184,6 +186,16 @@ def _cli(*args, env=None):
 
 
 def test_the_report_tells_what_each_fault_cost(tmp_path):
+    from playground.report import train_summary
+    res = train(_run(steps=6, save=str(tmp_path / "r"), save_every=2, max_restarts=1, on_nan="skip",
+                     faults=(Fault("crash", 5, 1), Fault("nan", 3, 0))))
+    text = train_summary(res)
+    assert "crash@5:1" in text and "rank 1 raised InjectedCrash" in text and "restart from step 4" in text
+    assert "the step skipped on every rank" in text
+
+
+@pytest.mark.slow
+def test_the_command_line_tells_what_each_fault_cost(tmp_path):
     out = _cli("train", "--dp", "2", "--steps", "6", "--save", str(tmp_path / "c"), "--save-every", "2",
                "--inject", "crash@5:1", "--inject", "nan@3:0", "--on-nan", "skip", "--max-restarts", "1",
                "--no-progress")
