@@ -62,6 +62,7 @@ def test_option_matches_one_device(option, layout):
         assert any(b != 0 for st in final.values() for b in st["bias"])
 
 
+@pytest.mark.slow
 def test_the_options_in_float32():
     rep = check(_run(DSMOE, dtype="float32", dp=2, ep=2))
     assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
