@@ -11,29 +11,14 @@
    here keeps no bf16 partition of the parameters (each all-gather casts the fp32 master
    shard, as FSDP2 does): 14Ψ/N against the paper's 16Ψ/N, 12.5% less by design.
 
-2. Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters
-   Using Megatron-LM"), Table 1: achieved TFLOP/s per A100 of GPT models trained with
-   tensor (t) and pipeline (p) parallelism, data parallelism over the rest, vocabulary
-   51,200, sequence 2048, mixed precision, full activation recomputation. Taken from the
-   table: heads, hidden size, layers, t, p, GPUs and batch. Chosen here (the table does not
-   give them): micro-batch 1, the 1F1B schedule, no sequence parallelism (it came a year
-   later), the a100-80gb profile (Selene: 8 GPUs per node on NVLink, 8 HDR InfiniBand links
-   per node); the MLP as in part 1. Their implementation, as the paper and Megatron-LM of
-   that time have it: attention without FlashAttention (it came a year later), the scores
-   written to memory and a fused scale-mask-softmax (section 4: `attention="unfused"`), and
-   data parallelism that all-reduces the gradient buffer after the pipeline's
-   forward-backward (Megatron-LM's local DDP in `train_step`: `--no-grad-overlap`), and
-   dropout 0.1 on the attention probabilities (Megatron-LM's `--attention-dropout` default;
-   `attention_dropout=0.1`; its hidden dropout is fused with the bias and residual add,
-   which costs what the residual add here costs, and is not modelled); with flash attention
-   and overlapped reductions the 1.7B row came out at +53.9%, +26.5% unfused, +24.7% with
-   the reductions after the backward, +12.2% with the dropout. The planned TFLOP/s per GPU
-   counts FLOPs as the paper does (its equation 3: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) per iteration, the
-   recomputation's forward included) over the planned step. The plan is not calibrated to
-   A100 kernels: its roofline takes 80% of peak for matmuls.
-
-Default rows: the 1.7B to 76.1B models (the larger ones plan for minutes to hours each:
-their pipelines run hundreds of microbatches; `--all` adds them). Writes JSON.
+2. The published runs of benchmarks/published_runs.py (each cited there, with what its
+   source leaves unstated and what is chosen for it): the planned tokens per second per
+   GPU against the published, and the planned memory against the published where given.
+   Each layout is planned through the search's estimate (playground/search.py: shallow
+   plans extrapolated in blocks, microbatches and pipeline depth; equal to full plans to
+   0.1% on the tiny preset), so a 16,384-GPU run plans in seconds. The error is
+   planned/published - 1: positive, the plan is optimistic. `--plot FILE` draws planned
+   against published.
 """
 import argparse
 import os
@@ -42,31 +27,18 @@ import time
 
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks._common import default_json, print_table, write_json  # noqa: E402
-from model import GPTConfig  # noqa: E402
+from benchmarks._common import default_json, median, print_table, write_json  # noqa: E402
+from benchmarks.published_runs import gelu_gpt, suite  # noqa: E402
 from playground import Layout, RunConfig  # noqa: E402
 from playground.planning import plan  # noqa: E402
+from playground.search import estimate  # noqa: E402
 
-SEQ, VOCAB = 2048, 51200
-# Narayanan et al. 2021, Table 1: billions of parameters, heads, hidden, layers, t, p, GPUs, batch, TFLOP/s per GPU
-NARAYANAN = [
-    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
-]
 # ZeRO, Figure 1: GB per device for Ψ = 7.5B, Nd = 64, K = 12
 ZERO = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
 
 
-def gpt(hidden: int, heads: int, layers: int, **kw) -> GPTConfig:
-    return GPTConfig(vocab_size=VOCAB, d_model=hidden, n_layers=layers, n_heads=heads, d_ff=8 * hidden // 3 // 64 * 64,
-                     seq_len=SEQ, **kw)
-
-
 def zero_rows() -> list:
-    cfg, nd, k = gpt(4096, 32, 36), 64, 12
+    cfg, nd, k = gelu_gpt(51200, 4096, 32, 36, 2048), 64, 12
     psi = cfg.n_params()
     formula = {0: (2 + 2 + k) * psi, 1: 4 * psi + k * psi / nd, 2: 2 * psi + (2 + k) * psi / nd, 3: (2 + 2 + k) * psi / nd}
     rows = []
@@ -80,45 +52,87 @@ def zero_rows() -> list:
     return rows
 
 
-def narayanan_row(row) -> dict:
-    billions, heads, h, l, t, p, n, batch, paper = row
-    cfg = gpt(h, heads, l, attention="unfused", attention_dropout=0.1)
-    dp = n // (t * p)
-    layout = Layout(dp=dp, tp=t, pp=p, micro_batch_size=1, microbatches=batch // dp, ac="full")
+def plan_published(r, hardware: str | None = None) -> dict:
+    """Plan the published run `r` (on `hardware`, else its own profile) and hold it to the source."""
+    run = RunConfig(model=r.model, layout=r.layout, dtype="bfloat16", hardware=hardware or r.hardware, progress=False,
+                    **r.run)
     t0 = time.perf_counter()
-    pl = plan(RunConfig(model=cfg, layout=layout, dtype="bfloat16", hardware="a100-80gb", progress=False,
-                        grad_overlap=False))
-    flops = 96 * batch * SEQ * l * h * h * (1 + SEQ / (6 * h) + VOCAB / (16 * l * h))
-    planned = flops / pl.step_s / n / 1e12
-    slowest = max(pl.values, key=lambda v: v["step"]["time"])["step"]
-    return {"billions": billions, "params": cfg.n_params(), "t": t, "p": p, "gpus": n, "batch": batch,
-            "paper_tflops": paper, "planned_tflops": planned, "error": planned / paper - 1, "step_s": pl.step_s,
-            "split": slowest, "plan_wall_s": time.perf_counter() - t0,
-            "peak_gib": pl.peak / 2**30}
+    e = estimate(run)
+    planned = run.tokens_per_step / e.step_s / r.gpus
+    out = {"source": r.source, "cite": r.cite, "name": r.name, "hardware": run.hardware, "gpus": r.gpus,
+           "layout": r.layout.describe(), "micro_batch": r.layout.micro_batch_size, "published": r.published,
+           "chosen": r.chosen, "published_tokens_per_s_per_gpu": r.tokens_per_s_per_gpu,
+           "planned_tokens_per_s_per_gpu": planned, "error": planned / r.tokens_per_s_per_gpu - 1,
+           "step_s": e.step_s, "planned_peak_gb": e.peak / 1e9, "plans": e.plans,
+           "plan_wall_s": time.perf_counter() - t0}
+    if r.memory_gb is not None:
+        out.update(published_memory_gb=r.memory_gb, memory_what=r.memory_what,
+                   memory_error=e.peak / 1e9 / r.memory_gb - 1)
+    return out
+
+
+def plot(rows: list, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 6.0))
+    for source in dict.fromkeys(r["source"] for r in rows):
+        xs = [r["published_tokens_per_s_per_gpu"] for r in rows if r["source"] == source]
+        ys = [r["planned_tokens_per_s_per_gpu"] for r in rows if r["source"] == source]
+        ax.scatter(xs, ys, label=source, s=24)
+    lo = min(min(r["published_tokens_per_s_per_gpu"], r["planned_tokens_per_s_per_gpu"]) for r in rows) / 1.3
+    hi = max(max(r["published_tokens_per_s_per_gpu"], r["planned_tokens_per_s_per_gpu"]) for r in rows) * 1.3
+    for f, style in ((1.0, "-"), (1.15, ":"), (1 / 1.15, ":")):
+        ax.plot([lo, hi], [lo * f, hi * f], "k" + style, lw=0.8)
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="published tokens/s per GPU",
+           ylabel="planned tokens/s per GPU", title="playground plan against published runs (dotted: ±15%)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--all", action="store_true", help="also the 145.6B to 1T models (slow: hours)")
+    ap.add_argument("--only", default=None, help="only the runs whose source or name contains this")
+    ap.add_argument("--hardware", default=None, help="plan every run on this profile instead of its own")
+    ap.add_argument("--plot", default=None, help="a PNG of planned against published tokens/s per GPU")
+    ap.add_argument("--no-zero", action="store_true", help="leave out the ZeRO memory table")
     ap.add_argument("--json", default=default_json("published"))
     a = ap.parse_args()
-    zero = zero_rows()
-    print_table(f"ZeRO (Rajbhandari et al. 2019, Fig. 1): model states per device, 64 devices, Ψ = 7.5B in the paper, "
-                f"{zero[0]['psi'] / 1e9:.2f}B here",
-                ["stage", "paper", "formula with this Ψ", "planned", "planned/paper - 1"],
-                [[r["stage"], f"{r['paper_gb']:.1f} GB", f"{r['formula_gb']:.1f} GB", f"{r['planned_gb']:.2f} GB",
-                  f"{r['error']:+.1%}"] for r in zero])
-    rows = [narayanan_row(r) for r in (NARAYANAN if a.all else [r for r in NARAYANAN if r[0] < 100])]
-    print_table("Narayanan et al. 2021, Table 1: TFLOP/s per A100 (their count, recomputation included), planned on "
-                "a100-80gb with full activation checkpointing, micro-batch 1, 1F1B, unfused attention with dropout 0.1, "
-                "gradients reduced after the backward",
-                ["model", "t", "p", "GPUs", "batch", "paper", "planned", "planned/paper - 1", "planned step",
-                 "compute / exposed comm / idle", "peak memory", "plan wall"],
-                [[f"{r['billions']}B", r["t"], r["p"], r["gpus"], r["batch"], f"{r['paper_tflops']}",
-                  f"{r['planned_tflops']:.1f}", f"{r['error']:+.1%}", f"{r['step_s']:.2f} s",
-                  f"{r['split']['compute']:.2f} / {r['split']['exposed_comm']:.2f} / {r['split']['idle']:.2f} s",
-                  f"{r['peak_gib']:.1f} GiB", f"{r['plan_wall_s']:.0f} s"] for r in rows])
-    write_json(a.json, {"benchmark": "published", "zero": zero, "narayanan": rows})
+    zero = [] if a.no_zero else zero_rows()
+    if zero:
+        print_table(f"ZeRO (Rajbhandari et al. 2019, Fig. 1): model states per device, 64 devices, Ψ = 7.5B in the "
+                    f"paper, {zero[0]['psi'] / 1e9:.2f}B here",
+                    ["stage", "paper", "formula with this Ψ", "planned", "planned/paper - 1"],
+                    [[r["stage"], f"{r['paper_gb']:.1f} GB", f"{r['formula_gb']:.1f} GB", f"{r['planned_gb']:.2f} GB",
+                      f"{r['error']:+.1%}"] for r in zero])
+    runs = [r for r in suite() if a.only is None or a.only.lower() in (r.source + " " + r.name).lower()]
+    rows = []
+    for r in runs:
+        rows.append(plan_published(r, a.hardware))
+        x = rows[-1]
+        print(f"  {x['source']}, {x['name']}: planned {x['planned_tokens_per_s_per_gpu']:,.0f} against "
+              f"{x['published_tokens_per_s_per_gpu']:,.0f} tokens/s per GPU ({x['error']:+.1%}; "
+              f"{x['plan_wall_s']:.0f} s)", flush=True)
+    errors = [abs(r["error"]) for r in rows]
+    print_table("Published runs: tokens/s per GPU, planned against published (planned/published - 1; positive: "
+                "the plan is optimistic)",
+                ["source", "run", "GPU", "GPUs", "layout", "published", "tokens/s/GPU", "planned", "error",
+                 "memory published / planned"],
+                [[r["source"], r["name"], r["hardware"], f"{r['gpus']:,}", r["layout"].split(" (world")[0]
+                  + f", mbs {r['micro_batch']}", r["published"], f"{r['published_tokens_per_s_per_gpu']:,.0f}",
+                  f"{r['planned_tokens_per_s_per_gpu']:,.0f}", f"{r['error']:+.1%}",
+                  f"{r['published_memory_gb']:.0f} / {r['planned_peak_gb']:.1f} GB ({r['memory_error']:+.1%})"
+                  if "published_memory_gb" in r else "-"] for r in rows])
+    summary = {"runs": len(rows), "sources": len({r["source"] for r in rows}),
+               "within_15": sum(e <= 0.15 for e in errors), "median_abs_error": median(errors) if errors else None,
+               "max_abs_error": max(errors) if errors else None}
+    if errors:
+        print(f"\n{summary['within_15']} of {len(rows)} runs within 15%; median absolute error "
+              f"{summary['median_abs_error']:.1%}, largest {summary['max_abs_error']:.1%}")
+    if a.plot and rows:
+        plot(rows, a.plot)
+    write_json(a.json, {"benchmark": "published", "zero": zero, "runs": rows, "summary": summary})
 
 
 if __name__ == "__main__":

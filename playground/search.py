@@ -55,7 +55,11 @@ their accuracy and cost at 70B.
 """
 from __future__ import annotations
 
+import bisect
+import concurrent.futures
 import math
+import multiprocessing
+import os
 import time
 from dataclasses import dataclass, field, replace
 
@@ -106,6 +110,43 @@ def candidates(cfg, world: int, global_batch: int, gpus_per_node: int, fixed: di
                                                       sequence_parallel=tp > 1, micro_batch_size=mbs, ac=ac,
                                                       dp_replicate=rep))
     return out
+
+
+def block_compute(run, tp: int, cp: int, micro_batch_size: int, ac: str = "none") -> tuple:
+    """(per block, outside the blocks): seconds of one microbatch on a rank of `tp` × `cp`
+    with checkpointing `ac`, as the simulator times them with no data or pipeline
+    parallelism: the device's time less its waits for the host (its kernels, memory-bound
+    ones included, and the tensor- and context-parallel calls it waits for, which block it
+    at any data-parallel degree). From four plans of one and two blocks and one and two
+    microbatches: the mixed difference is one block's; the difference in microbatches at
+    one block, less it, what each microbatch adds outside the blocks (embedding, head,
+    loss); what is paid once a step (the optimizer) falls out of both."""
+    c = {}
+    for k in (1, 2):
+        for m in (1, 2):
+            layout = Layout(tp=tp, cp=cp, sequence_parallel=tp > 1, micro_batch_size=micro_batch_size,
+                            microbatches=m, zero=1, ac=ac)
+            step = plan(replace(run, model=run.model.with_(n_layers=k), layout=layout)).values[0]["step"]
+            c[k, m] = step["time"] - step["host"]
+    block = max(0.0, c[2, 2] - c[2, 1] - c[1, 2] + c[1, 1])
+    return block, max(0.0, c[1, 2] - c[1, 1] - block)
+
+
+def step_lower_bound(cfg, layout: Layout, hw, block: tuple) -> float:
+    """Seconds a step of `layout` takes at least, as the simulator times it, given `block`,
+    one microbatch's time in a block and outside the blocks on a rank of its tp × cp with
+    its checkpointing (`block_compute`): each rank's blocks (n_layers / pp of them) for
+    each microbatch, and without a pipeline what each microbatch adds outside them, plus a
+    pipeline's fill and drain, (p - 1) / v chunk-microbatches (Narayanan et al. 2021,
+    section 2.2: the bubble of 1F1B, interleaved with v chunks). Data parallelism's
+    communication and the optimizer only add. 0 for a model with experts, whose routing
+    decides the experts' compute. `hw` is the profile the block was planned on."""
+    if cfg.n_experts:
+        return 0.0
+    per_block, outside = block
+    bubble = (layout.pp - 1) / layout.virtual_stages if layout.schedule in ("1f1b", "interleaved") else 0.0
+    blocks = per_block * cfg.n_layers / layout.pp * (layout.microbatches + bubble)
+    return blocks + (outside * layout.microbatches if layout.pp == 1 else 0.0)
 
 
 def model_states_bound(cfg, layout: Layout) -> float:
@@ -209,63 +250,195 @@ class SearchResult:
     considered: int = 0
     estimated: int = 0  # layouts estimated
     planned: int = 0  # plans run (shallow and full)
+    pruned: int = 0  # layouts whose lower bound exceeded the fastest that fit: never planned
+    bound_violations: int = 0  # estimates below their layout's lower bound (none expected)
+    screened: list = field(default_factory=list)  # (layout, its bound, its estimated step, seconds to estimate)
     wall_s: float = 0.0
 
 
+def _timed_estimate(run) -> tuple:
+    """(estimate(run), its seconds): the work a search's worker process does."""
+    t = time.perf_counter()
+    e = estimate(run)
+    return e, time.perf_counter() - t
+
+
+class _Inline:
+    """A finished future: the search's work done in its own process (one job)."""
+
+    def __init__(self, fn, *args):
+        self._value = fn(*args)
+
+    def result(self):
+        return self._value
+
+
 def search(run, world: int, global_batch: int, fixed: dict | None = None, exact: int = 3,
-           headroom: float = DEFAULT_HEADROOM) -> SearchResult:
-    """Estimate every candidate layout of `run` (its model, dtype and hardware) on `world`
-    ranks with `global_batch` sequences per step; plan the `exact` fastest that fit in full.
-    A layout fits when its peak leaves `headroom` of the HBM free (playground/fits.py)."""
+           headroom: float = DEFAULT_HEADROOM, prune: bool = True, jobs: int | None = None) -> SearchResult:
+    """Estimate the candidate layouts of `run` (its model, dtype and hardware) on `world`
+    ranks with `global_batch` sequences per step that could be among the fastest; plan the
+    `exact` fastest that fit in full. A layout fits when its peak leaves `headroom` of the
+    HBM free (playground/fits.py).
+
+    Branch and bound: candidates are taken in order of their step's lower bound
+    (`step_lower_bound`, from one block's compute planned once per tp, cp and micro-batch
+    size: `block_compute`), and once `exact` layouts fit, one whose bound exceeds the
+    `exact`-th fastest estimate cannot be among the fastest: it and the rest are pruned
+    unplanned. Each layout confirmed in full first estimates every candidate whose bound
+    is below its step, so the fastest `exact` are those of a search that estimated every
+    layout (its estimates being no lower than their bounds, which the search counts:
+    `bound_violations`). `prune=False` estimates every candidate (the reference the tests
+    and benchmarks/search_speed.py hold the pruned search to). Estimates run in `jobs`
+    worker processes (default: the CPU count for more than 100 candidates, else this
+    process; plans on meta tensors hold the GIL, so threads would not help), the next candidates in bound order while others run: the
+    same layouts are estimated or pruned, give or take the ones in flight when the bound
+    is passed."""
     t0 = time.perf_counter()
     hw = load_hardware(run.hardware)
     cap = usable(hw, headroom)
     res = SearchResult()
     fitted: set = set()  # layouts (without their checkpointing) that fit with less recomputation
     layouts = candidates(run.model, world, global_batch, hw.gpus_per_node, fixed)
-    bar = tqdm(total=len(layouts) + exact, desc="search", unit="layout", dynamic_ncols=True, disable=not run.progress)
-    for layout in layouts:
-        bar.update()
-        res.considered += 1
-        if replace(layout, ac="none") in fitted:
-            res.rejected.append((layout, "dominated", f"ac={layout.ac} not planned: the same layout fits with less "
-                                 f"recomputation, which only adds time"))
-            continue
-        try:
-            layout.validate(run.model)
-        except LayoutError as e:
-            res.rejected.append((layout, "invalid layout", str(e)))
-            continue
-        bound = model_states_bound(run.model, layout)
-        if bound > cap:
-            res.rejected.append((layout, "model states exceed HBM", f"model states alone {bound / 2**30:.1f} GiB > "
-                                 f"{_of_hbm(hw, headroom)}"))
-            continue
-        e = estimate(replace(run, layout=layout))
-        res.estimated += 1
-        res.planned += e.plans
-        if e.peak > cap:
-            res.rejected.append((layout, "planned peak exceeds HBM", _over(e, hw, headroom)))
-            continue
-        res.fits.append(e)
-        fitted.add(replace(layout, ac="none"))
-    res.fits.sort(key=lambda e: e.step_s)
-    confirmed, rest = [], list(res.fits)
-    bar.set_description("search: the fastest in full")
-    while rest and len(confirmed) < exact:  # the fastest, planned in full
-        e = rest.pop(0)
-        bar.update()
-        if not e.exact:
-            res.planned += 1
-            e = Estimate.planned(plan(replace(run, layout=e.layout)), e.plans + 1)
+    # (a worker takes seconds to start: small searches run in this process)
+    jobs = max(1, jobs or ((os.cpu_count() or 1) if len(layouts) > 100 else 1))
+    pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) \
+        if jobs > 1 else None
+    quiet = replace(run, progress=False)
+
+    def submit(fn, *args):
+        return pool.submit(fn, *args) if pool is not None else _Inline(fn, *args)
+    bar = tqdm(total=len(layouts) + exact, desc="search: bounds", unit="layout", dynamic_ncols=True,
+               disable=not run.progress)
+    try:
+        # one block's compute per microbatch for each (tp, cp, micro-batch) among the candidates
+        keys = sorted({(lay.tp, lay.cp, lay.micro_batch_size, lay.ac) for lay in layouts}) \
+            if prune and not run.model.n_experts else []
+        futures = {key: submit(_block_compute_or_zero, quiet, *key) for key in keys}
+        blocks = {key: f.result() for key, f in futures.items()}
+        bounds = [step_lower_bound(run.model, lay, hw, blocks[(lay.tp, lay.cp, lay.micro_batch_size, lay.ac)])
+                  if blocks else 0.0 for lay in layouts]
+        bar.set_description("search")
+        order = sorted(range(len(layouts)), key=lambda i: bounds[i])
+        sorted_bounds = [bounds[i] for i in order]
+        res.considered = len(layouts)
+        nxt = 0  # the next candidate, in order of bound
+
+        def kth() -> float:
+            return sorted(e.step_s for e in res.fits)[exact - 1] if len(res.fits) >= exact else float("inf")
+
+        def precheck(i: int) -> bool:
+            """Reject candidate i without planning where a rule or the memory bound does;
+            whether it is left to estimate."""
+            layout = layouts[i]
+            bar.update()
+            if replace(layout, ac="none") in fitted:
+                res.rejected.append((layout, "dominated", f"ac={layout.ac} not planned: the same layout fits with "
+                                     f"less recomputation, which only adds time"))
+                return False
+            try:
+                layout.validate(run.model)
+            except LayoutError as e:
+                res.rejected.append((layout, "invalid layout", str(e)))
+                return False
+            states = model_states_bound(run.model, layout)
+            if states > cap:
+                res.rejected.append((layout, "model states exceed HBM", f"model states alone "
+                                     f"{states / 2**30:.1f} GiB > {_of_hbm(hw, headroom)}"))
+                return False
+            return True
+
+        def collect(i: int, e, seconds: float) -> None:
+            layout = layouts[i]
+            res.screened.append((layout, bounds[i], e.step_s, seconds))
+            res.estimated += 1
+            res.planned += e.plans
+            res.bound_violations += e.step_s < bounds[i] * (1 - 1e-6)
             if e.peak > cap:
-                res.rejected.append((e.layout, "planned peak exceeds HBM", _over(e, hw, headroom)))
+                res.rejected.append((layout, "planned peak exceeds HBM", _over(e, hw, headroom)))
+            elif layout.ac != "none" and replace(layout, ac="none") in fitted:  # (estimated beside it)
+                res.rejected.append((layout, "dominated", f"ac={layout.ac}: the same layout fits with less "
+                                     f"recomputation, which only adds time"))
+            else:
+                res.fits.append(e)
+                fitted.add(replace(layout, ac="none"))
+            # what is left: the candidates whose bound is below the current `exact`-th fastest
+            left = max(0, bisect.bisect_right(sorted_bounds, kth(), lo=nxt) - nxt)
+            bar.total = bar.n + left + exact
+            bar.set_postfix_str(f"{res.estimated} estimated from shallow plans, {len(res.fits)} fit, {left} left "
+                                f"under the bound, then {exact} planned in full", refresh=False)
+
+        def scan(limit) -> None:
+            """Screen every candidate whose bound is at most limit() (asked again as fits come)."""
+            nonlocal nxt
+            pending: dict = {}
+            while True:
+                while len(pending) < jobs and nxt < len(order) and bounds[order[nxt]] <= limit():
+                    i = order[nxt]
+                    nxt += 1
+                    if precheck(i):
+                        pending[submit(_timed_estimate, replace(quiet, layout=layouts[i]))] = i
+                if not pending:
+                    return
+                if pool is None:
+                    done = list(pending)
+                else:
+                    done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                for f in done:
+                    collect(pending.pop(f), *f.result())
+
+        scan(kth)
+        confirmed: list = []
+        bar.set_description("search: the fastest in full")
+        while len(confirmed) < exact:
+            rest = sorted((e for e in res.fits if not any(e is c for c in confirmed)), key=lambda e: e.step_s)
+            if rest:
+                first = rest[0].step_s
+                scan(lambda: first)  # nothing unscreened may be faster than the next to confirm
+                rest = sorted((e for e in res.fits if not any(e is c for c in confirmed)), key=lambda e: e.step_s)
+            elif nxt < len(order):
+                upto = bounds[order[nxt]]
+                scan(lambda: upto)
                 continue
-        confirmed.append(e)
-    res.fits = sorted(confirmed, key=lambda e: e.step_s) + rest
-    bar.close()
+            if not rest:
+                break
+            e = rest[0]
+            res.fits.remove(e)
+            if not e.exact:
+                bar.set_postfix_str(f"planning {e.layout.describe()} in full", refresh=True)
+                res.planned += 1
+                e = Estimate.planned(plan(replace(quiet, layout=e.layout)), e.plans + 1)
+                bar.update()
+                if e.peak > cap:
+                    res.rejected.append((e.layout, "planned peak exceeds HBM", _over(e, hw, headroom)))
+                    continue
+            res.fits.append(e)
+            confirmed.append(e)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+        bar.close()
+    for i in order[nxt:]:
+        res.rejected.append((layouts[i], "pruned by its lower bound",
+                             f"at least {bounds[i] * 1e3:.0f} ms a step (its blocks' time, the pipeline's fill "
+                             f"and drain) > the {_ordinal(exact)} fastest that fit, {kth() * 1e3:.0f} ms: not "
+                             f"planned"))
+        res.pruned += 1
+    res.fits = sorted(confirmed, key=lambda e: e.step_s) + sorted(
+        (e for e in res.fits if not any(e is c for c in confirmed)), key=lambda e: e.step_s)
     res.wall_s = time.perf_counter() - t0
     return res
+
+
+def _block_compute_or_zero(run, tp: int, cp: int, micro_batch_size: int, ac: str) -> tuple:
+    """`block_compute`, or zeros (no bound) where the model does not divide by tp or cp."""
+    try:
+        return block_compute(run, tp, cp, micro_batch_size, ac)
+    except (LayoutError, ValueError):
+        return 0.0, 0.0
+
+
+def _ordinal(n: int) -> str:
+    return {1: "1st", 2: "2nd", 3: "3rd"}.get(n, f"{n}th")
 
 
 def _of_hbm(hw, headroom: float) -> str:
@@ -284,7 +457,9 @@ def search_summary(res: SearchResult, run, top: int = 10) -> str:
     cfg = run.model
     hw = load_hardware(run.hardware)
     lines = [f"\nplayground plan --search: {res.considered} layouts of {cfg.n_params():,} parameters on "
-             f"{run.hardware}, {res.estimated} estimated ({res.planned} plans) in {res.wall_s:.1f} s; "
+             f"{run.hardware}, {res.estimated} estimated ({res.planned} plans), {res.pruned} pruned by their lower bound"
+             + (f" ({res.bound_violations} estimates fell below their bound: the pruning may have missed one)"
+                if res.bound_violations else "") + f", in {res.wall_s:.1f} s; "
              f"{len(res.fits)} fit, the {min(top, len(res.fits))} fastest (planned in full unless marked *):"]
     rows = []
     for e in res.fits[:top]:

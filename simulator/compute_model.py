@@ -5,7 +5,10 @@ thread-local, so each rank counts only its own ops, backward included) sees ever
 op. Host and device are two queues, as in an eager GPU run: the host spends the kernel
 floor issuing each op (Python, dispatch and launch), the device runs it when it has been
 issued and the previous one is done, for max(FLOPs / FLOP rate, bytes / (HBM bandwidth ·
-HBM fraction)). So the host runs ahead while kernels are long (the step is the device's
+HBM fraction)), a 16-bit matmul's FLOP time in whole tiles and whole waves of tiles
+over the GPU's SMs where the profile gives them (Hardware.wave_quantization: NVIDIA's
+"Matrix Multiplication Background User's Guide"), fused attention at the profile's
+fraction for its head dimension and sequence (Hardware.attention_fraction_at). So the host runs ahead while kernels are long (the step is the device's
 work) and the device starves while they are short (the step is the host's issuing); a
 read of a value on the host (`.item()`, `.tolist()`) makes the host wait for the device.
 FLOPs from torch's own flop counter formulas (matmuls, convolutions, attention), bytes =
@@ -96,6 +99,8 @@ _ATTENTION = {getattr(torch.ops.aten, name) for name in (
     "_flash_attention_forward", "_flash_attention_backward",
     "_efficient_attention_forward", "_efficient_attention_backward") if hasattr(torch.ops.aten, name)} | set(_ALIASES)
 _HALF = (torch.bfloat16, torch.float16)
+# matmuls whose output is tiled (the profile's wave quantization)
+_MATMULS = {_op for _op in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)}
 
 
 def _first_dtype(args):
@@ -176,6 +181,7 @@ def _on_meta(func, args, kwargs):
 class ComputeModel(TorchDispatchMode):
     def __init__(self, hw: Hardware, clock: RankClock):
         super().__init__()
+        self.hw = hw
         self.flop_rate = hw.peak_bf16_flops * hw.matmul_fraction  # 16-bit matmuls
         self.fp32_rate = hw.fp32_flops * hw.matmul_fraction
         self.attention_rate = hw.peak_bf16_flops * hw.attention_fraction
@@ -228,7 +234,7 @@ class ComputeModel(TorchDispatchMode):
             flops = formula(*_shapes(args), **{k: _shapes(x) for k, x in kwargs.items()}, out_val=_shapes(out))
             self.flops += flops
             attention = self._fused is not None and self._fused[1]
-            seconds = flops / (self.attention_rate if attention else self._rate(func, args))
+            seconds = flops / self.attention_rate if attention else self._seconds(func, args, out, flops)
         if self._fused is not None:  # one kernel: charged when the region ends
             self._fused[0] += seconds
             return out
@@ -252,10 +258,21 @@ class ComputeModel(TorchDispatchMode):
         """The host waits for the device (a value read on the host)."""
         self.clock.synchronize()
 
-    def _rate(self, func, args) -> float:
-        if func._overloadpacket in _ATTENTION:
-            return self.attention_rate
-        return self.flop_rate if _first_dtype(args) in _HALF else self.fp32_rate
+    def _seconds(self, func, args, out, flops: int) -> float:
+        """The op's FLOP time: fused attention at the profile's fraction for its head dimension
+        and sequence (the query's last two dimensions); 16-bit matmuls at the matmul fraction,
+        in whole tiles and waves (Hardware.wave_quantization); other ops at the FP32 rate."""
+        packet = func._overloadpacket
+        if packet in _ATTENTION:  # (b, heads, s, head_dim) through SDPA's ops, (b, s, heads, head_dim) below them
+            q = args[0]
+            seq = q.shape[-2] if packet.__name__.startswith("_scaled_dot_product") else q.shape[1]
+            return flops / (self.hw.peak_bf16_flops * self.hw.attention_fraction_at(q.shape[-1], seq))
+        if _first_dtype(args) not in _HALF:
+            return flops / self.fp32_rate
+        if packet in _MATMULS and isinstance(out, torch.Tensor) and out.dim() >= 2:
+            batch = out.numel() // (out.shape[-2] * out.shape[-1]) if out.numel() else 1
+            return flops * self.hw.wave_quantization(out.shape[-2], out.shape[-1], batch) / self.flop_rate
+        return flops / self.flop_rate
 
     @contextlib.contextmanager
     def fused(self, io_bytes: int, name: str = "fused", attention: bool = False):

@@ -1,23 +1,33 @@
 """Hardware profiles for the cost model (docs/architecture.md, Contract 3).
 
-Rates are per GPU. Link bandwidths are per direction. Datasheet values:
+Rates are per GPU. Link bandwidths are per direction. One profile per GPU type; every
+number in it is a datasheet's, a measurement's (this project's, or one published with
+its source), or an assumption said to be one:
+- `h100-sxm` is a file, profiles/h100-sxm.json, whose `sources` table cites each number:
+  the datasheet's peaks, HBM and NVLink; kernels measured on an H200 (the same GH100
+  compute: 132 SMs, 1,980 MHz, 700 W) by benchmarks/shapes_gpu.py: bf16 matmuls at 0.70
+  of the peak sustained under the power limit, with tile and wave quantization, fused
+  attention by head dimension and sequence, memory-bound kernels at 0.77 of HBM; NCCL's
+  effective NVLink bandwidth, 370 GB/s (its maintainer, NVIDIA/nccl-tests issue 212).
 - A100 80GB SXM (NVIDIA A100 Tensor Core GPU datasheet): bf16 dense 312 TFLOP/s, HBM2e
-  2.039 TB/s, 80 GB, NVLink 3 600 GB/s bidirectional = 300 GB/s each way. Network: a
-  DGX A100 node has one 200 Gb/s HDR InfiniBand port per GPU (DGX A100 user guide): 25 GB/s.
-- H100 SXM (NVIDIA H100 Tensor Core GPU datasheet): bf16 dense 989 TFLOP/s (1,979 with
-  sparsity), HBM3 3.35 TB/s, 80 GB, NVLink 4 900 GB/s bidirectional = 450 GB/s each way.
-  Network: DGX H100 has one 400 Gb/s ConnectX-7 port per GPU (DGX H100 user guide): 50 GB/s.
+  2.039 TB/s, 80 GB, 108 SMs. NVLink 3 is 300 GB/s each way on the wire; NCCL's
+  all_reduce_perf on 8 A100s of one node reaches a bus bandwidth of 232.5 GB/s
+  (NVIDIA/nccl-tests issue 175), the figure taken. Network: a DGX A100 node has one
+  200 Gb/s HDR InfiniBand port per GPU (DGX A100 user guide): 25 GB/s.
 - H200 SXM (NVIDIA H200 Tensor Core GPU datasheet): the H100's compute and NVLink, HBM3e
-  4.8 TB/s, 141 GB; network as DGX H100 (DGX H200: 400 Gb/s per GPU).
+  4.8 TB/s, 141 GB; network as DGX H100 (DGX H200: 400 Gb/s per GPU). `h200-datasheet`.
 - FP32 (not tensor-core; torch's default for float32 matmuls, TF32 off): A100 19.5 TFLOP/s,
   H100/H200 SXM 67 TFLOP/s (the same datasheets).
-Not datasheet values (assumptions, override them with a profile file):
-- achievable fractions: 0.80 of peak for matmuls and 0.90 of HBM bandwidth, from this
-  workplace's own H200 measurements (an 8192³ bf16 matmul at 788 TFLOP/s of 989; a
-  device-to-device copy at 4.3 TB/s of 4.8), used for the A100 and H100;
+- GEMM tiles (A100): cuBLAS's 256×128, 128×256 and 128×128 (NVIDIA, "Matrix
+  Multiplication Background User's Guide", tile and wave quantization on the A100's 108
+  SMs).
+Assumptions of the A100, h100-datasheet and h200-datasheet profiles (the datasheet values
+above with these; override them with a profile file):
+- achievable fractions: 0.80 of peak for matmuls and 0.90 of HBM bandwidth (this
+  workplace's H200 measured 0.78 for an 8192³ bf16 matmul over its first half second and
+  0.70 sustained under its power limit; a copy at 0.83 of its HBM);
 - fused attention at 0.60 of the bf16 peak: FlashAttention-2 reaches 50-73% of the
-  A100's peak forward and backward (Dao 2023, abstract), FlashAttention-3 75% forward on
-  the H100 with a slower backward (Shah et al. 2024);
+  A100's peak forward and backward (Dao 2023, abstract);
 - a kernel floor of 5 µs: the host's time to issue one op (a launch, and eager PyTorch's
   dispatch), which the GPU waits for when its kernels are shorter (the compute model's
   host queue); a collective call costs the host one floor too unless the profile gives
@@ -27,12 +37,15 @@ Not datasheet values (assumptions, override them with a profile file):
   own tuning model for its Simple protocol.
 The `h200` profile is not the datasheet's: `playground calibrate` fitted it on 2× H200
 (playground/calibrate.py; its `source` says which run).
-A profile file (TOML or JSON) holds the same keys (`source` optional; a `calibration`
-table, as calibrate writes, is kept for the record and not read); missing keys are an error.
+A profile file (TOML or JSON) holds the same keys (`source` optional; `collective_floor`,
+`sm_count`, `matmul_tiles` and `attention_table` optional; a `calibration` table, as
+calibrate writes, and a `sources` table citing each number are kept for the record and not
+read); missing keys are an error.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import tomllib
 from dataclasses import asdict, dataclass, fields
@@ -60,6 +73,16 @@ class Hardware:
     # seconds the host takes to issue and wait one collective through the process group (the
     # ledger's entry, the backend's call); None: one kernel_floor (profiles without it)
     collective_floor: float | None = None
+    # GEMM tile and wave quantization (NVIDIA, "Matrix Multiplication Background User's Guide"):
+    # a 16-bit matmul runs as tiles of one of `matmul_tiles` (rows, columns of its output),
+    # `sm_count` at a time, so its time is that of whole waves of whole tiles: the cheapest
+    # of the tile shapes, as cuBLAS's heuristics pick one. None: no quantization
+    sm_count: int | None = None
+    matmul_tiles: tuple | None = None
+    # fused attention's fraction of the bf16 peak by head dimension and sequence, measured
+    # ({head_dim: ((seq, fraction), ...)}): interpolated in log(seq) at the nearest measured
+    # head dimension, held flat beyond the ends. None: `attention_fraction` at every shape
+    attention_table: dict | None = None
 
     @property
     def call_floor(self) -> float:
@@ -69,17 +92,45 @@ class Hardware:
     def to_dict(self) -> dict:
         """Every field (a profile file's keys); collective_floor only where it is set."""
         out = asdict(self)
-        if out["collective_floor"] is None:
-            del out["collective_floor"]
+        for key in _OPTIONAL:
+            if out[key] is None:
+                del out[key]
         return out
+
+    def attention_fraction_at(self, head_dim: int, seq: int) -> float:
+        """The fraction of the bf16 peak fused attention reaches at this head dimension and
+        sequence (`attention_table`, else `attention_fraction`)."""
+        if not self.attention_table:
+            return self.attention_fraction
+        dims = sorted(self.attention_table)
+        points = self.attention_table[min(dims, key=lambda d: (abs(d - head_dim), -d))]
+        if seq <= points[0][0]:
+            return points[0][1]
+        for (s0, f0), (s1, f1) in zip(points, points[1:]):
+            if seq <= s1:
+                w = (math.log(seq) - math.log(s0)) / (math.log(s1) - math.log(s0))
+                return f0 + w * (f1 - f0)
+        return points[-1][1]
+
+    def wave_quantization(self, tiles_m: int, tiles_n: int, batch: int = 1) -> float:
+        """How many times the work of an (m × n) output (× batch) the GPU does for it: whole
+        tiles in whole waves of `sm_count` (the cheapest tile shape); 1 without the fields."""
+        if not self.sm_count or not self.matmul_tiles:
+            return 1.0
+        best = math.inf
+        for tm, tn in self.matmul_tiles:
+            tiles = batch * -(-tiles_m // tm) * -(-tiles_n // tn)
+            best = min(best, -(-tiles // self.sm_count) * self.sm_count * tm * tn / (batch * tiles_m * tiles_n))
+        return best
 
 
 _ASSUMED = dict(attention_fraction=0.60, kernel_floor=5e-6)
 PROFILES = {
-    "a100-80gb": Hardware("a100-80gb", 312e12, 0.80, 2.039e12, 0.90, 80 * GB, 300 * GB, 25 * GB, 2e-6, 5e-6, 8,
-                          fp32_flops=19.5e12, **_ASSUMED, source="datasheet (A100 80GB SXM) and assumptions"),
-    "h100-sxm": Hardware("h100-sxm", 989e12, 0.80, 3.35e12, 0.90, 80 * GB, 450 * GB, 50 * GB, 2e-6, 5e-6, 8,
-                         fp32_flops=67e12, **_ASSUMED, source="datasheet (H100 SXM) and assumptions"),
+    "a100-80gb": Hardware("a100-80gb", 312e12, 0.80, 2.039e12, 0.90, 80 * GB, 232 * GB, 25 * GB, 2e-6, 5e-6, 8,
+                          fp32_flops=19.5e12, **_ASSUMED, source="datasheet (A100 80GB SXM) and assumptions",
+                          sm_count=108, matmul_tiles=((256, 128), (128, 256), (128, 128))),
+    "h100-datasheet": Hardware("h100-datasheet", 989e12, 0.80, 3.35e12, 0.90, 80 * GB, 450 * GB, 50 * GB, 2e-6, 5e-6, 8,
+                               fp32_flops=67e12, **_ASSUMED, source="datasheet (H100 SXM) and assumptions"),
     "h200-datasheet": Hardware("h200-datasheet", 989e12, 0.80, 4.8e12, 0.90, 141 * GB, 450 * GB, 50 * GB, 2e-6,
                                5e-6, 8, fp32_flops=67e12, **_ASSUMED, source="datasheet (H200 SXM) and assumptions"),
 }
@@ -118,17 +169,32 @@ def profile_names() -> list:
     return sorted(set(PROFILES) | set(shipped))
 
 
+_OPTIONAL = ("collective_floor", "sm_count", "matmul_tiles", "attention_table")
+
+
 def hardware_from_dict(data: dict, where: str = "profile") -> Hardware:
     names = [f.name for f in fields(Hardware)]
-    missing = [n for n in names if n not in data and n not in ("source", "collective_floor")]
-    unknown = sorted(set(data) - set(names) - {"calibration"})
+    missing = [n for n in names if n not in data and n not in ("source", *_OPTIONAL)]
+    unknown = sorted(set(data) - set(names) - {"calibration", "sources"})
     if missing or unknown:
         raise ValueError(f"hardware file {where!r}: missing {missing}, unknown {unknown}")
     values = {}
     for n in (n for n in names if n in data):
         try:
-            values[n] = (int(data[n]) if n == "gpus_per_node" else str(data[n]) if n in ("name", "source")
-                         else None if data[n] is None else float(data[n]))
-        except (TypeError, ValueError):
-            raise ValueError(f"hardware file {where!r}: {n} = {data[n]!r} is not a number") from None
+            x = data[n]
+            if x is None:
+                values[n] = None
+            elif n in ("gpus_per_node", "sm_count"):
+                values[n] = int(x)
+            elif n in ("name", "source"):
+                values[n] = str(x)
+            elif n == "matmul_tiles":
+                values[n] = tuple((int(a), int(b)) for a, b in x)
+            elif n == "attention_table":
+                values[n] = {int(d): tuple((int(s), float(f)) for s, f in sorted(pts)) for d, pts in x.items()}
+            else:
+                values[n] = float(x)
+        except (TypeError, ValueError, AttributeError):
+            raise ValueError(f"hardware file {where!r}: {n} = {data[n]!r} is not a number "
+                             f"(or, for matmul_tiles and attention_table, pairs of numbers)") from None
     return Hardware(**values)

@@ -78,7 +78,7 @@ def test_the_shipped_h200_profile_is_calibrated_and_files_must_be_complete(tmp_p
     h200 = load_hardware("h200")
     assert "playground calibrate" in h200.source and h200.kernel_floor > 0
     assert load_hardware("h200-datasheet").source.startswith("datasheet")
-    partial = {k: v for k, v in PROFILES["h100-sxm"].to_dict().items() if k != "kernel_floor"}
+    partial = {k: v for k, v in PROFILES["h100-datasheet"].to_dict().items() if k != "kernel_floor"}
     (tmp_path / "p.json").write_text(json.dumps(partial))
     with pytest.raises(ValueError, match=r"missing \['kernel_floor'\]"):
         load_hardware(str(tmp_path / "p.json"))

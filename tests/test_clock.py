@@ -13,7 +13,7 @@ from model import GPT, preset
 
 # calls cost the host nothing here, so each test sees only what it is about
 # (test_a_call_costs_the_host_its_floor checks that cost)
-H100 = dataclasses.replace(PROFILES["h100-sxm"], collective_floor=0.0)
+H100 = dataclasses.replace(PROFILES["h100-datasheet"], collective_floor=0.0)
 N = 4
 S = 64 * 2**20  # bytes of the all-reduced tensor (meta: counted and timed, never moved)
 COST = collective_cost("all_reduce", S, range(N), H100)[0]
@@ -59,7 +59,7 @@ def test_a_collective_starts_when_its_last_member_arrives():
 def test_a_call_costs_the_host_its_floor():
     """Issuing a collective costs the host the profile's call floor: from idle the call
     starts that much later; behind a long kernel (the host ahead) it costs nothing more."""
-    hw = dataclasses.replace(PROFILES["h100-sxm"], collective_floor=300e-6)
+    hw = dataclasses.replace(PROFILES["h100-datasheet"], collective_floor=300e-6)
     a = torch.empty(8192, 8192, dtype=torch.bfloat16, device="meta")
     kernel = 2 * 8192 ** 3 / (hw.peak_bf16_flops * hw.matmul_fraction)
     assert kernel > 2 * hw.collective_floor
@@ -80,7 +80,7 @@ def test_a_call_costs_the_host_its_floor():
         assert elapsed == pytest.approx(hw.kernel_floor + kernel + cost)
         assert b["issuing"] == pytest.approx(hw.kernel_floor + hw.collective_floor)
     # a profile without collective_floor charges one kernel_floor per call
-    assert PROFILES["h100-sxm"].call_floor == PROFILES["h100-sxm"].kernel_floor
+    assert PROFILES["h100-datasheet"].call_floor == PROFILES["h100-datasheet"].kernel_floor
 
 
 def test_recv_completes_no_earlier_than_the_send():

@@ -8,7 +8,7 @@ import pytest
 from simulator.cost_model import collective_cost, placement
 from simulator.hardware import PROFILES, load_hardware
 
-H100 = PROFILES["h100-sxm"]
+H100 = PROFILES["h100-datasheet"]
 A_NV, B_NV = H100.nvlink_latency, 1 / H100.nvlink_bandwidth
 A_NET, B_NET = H100.network_latency, 1 / H100.network_bandwidth
 
@@ -74,13 +74,16 @@ def test_trivial_groups_cost_nothing():
 
 
 def test_profiles_and_files(tmp_path):
-    assert load_hardware("h100") is PROFILES["h100-sxm"]
+    # the h100 is the shipped profile, each number cited in its sources (simulator/profiles/h100-sxm.json)
+    h100 = load_hardware("h100")
+    assert h100.name == "h100-sxm" and h100.sm_count == 132 and h100.attention_table and h100.matmul_fraction == 0.7
+    assert load_hardware("h100-datasheet") is PROFILES["h100-datasheet"]
     h200 = load_hardware("h200-datasheet")
     assert h200.hbm_capacity == 141e9 and h200.peak_bf16_flops == H100.peak_bf16_flops
     # the calibrated h200 keeps the datasheet's peak and takes the device's memory (torch's total_memory)
     calibrated = load_hardware("h200")
     assert calibrated.peak_bf16_flops == h200.peak_bf16_flops and 139 * 2**30 < calibrated.hbm_capacity < 141 * 2**30
-    assert load_hardware("a100-80gb").nvlink_bandwidth == 300e9
+    assert load_hardware("a100-80gb").nvlink_bandwidth == 232e9  # NCCL's bus bandwidth on 8 A100s
     custom = {**H100.to_dict(), "name": "mine", "gpus_per_node": 4, "network_bandwidth": 12.5e9,
               "collective_floor": 1e-4}  # (optional: without it a call costs the host one kernel_floor)
     (tmp_path / "hw.json").write_text(json.dumps(custom))

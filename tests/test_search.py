@@ -95,3 +95,50 @@ def test_an_estimate_from_shallow_plans_equals_the_full_plan(axes):
 def test_search_needs_the_world_and_the_batch(cli):
     status, _, err = cli("plan", "--search", "--hardware", "h100-sxm")
     assert status == 2 and "--world N and --global-batch-size B" in err
+
+
+def _big():
+    from model import GPTConfig
+    return GPTConfig(vocab_size=32000, d_model=4096, n_layers=4, n_heads=32, seq_len=4096)
+
+
+@pytest.mark.parametrize("axes", [dict(dp=8, zero=3), dict(dp=4, tp=2, zero=1, sequence_parallel=True, microbatches=2),
+                                  dict(pp=2, dp=4, zero=1, microbatches=2, ac="full"),
+                                  dict(pp=2, dp=2, tp=2, zero=1, sequence_parallel=True, microbatches=4,
+                                       schedule="interleaved", virtual_stages=2)])
+def test_the_step_lower_bound_is_below_the_estimate_and_not_far_below(axes):
+    from playground.search import block_compute, step_lower_bound
+    from simulator import load_hardware
+    layout = Layout(micro_batch_size=2, **axes)
+    run = RunConfig(model=_big(), layout=layout, dtype="bfloat16", hardware="h100-sxm", progress=False)
+    block = block_compute(run, layout.tp, layout.cp, layout.micro_batch_size, layout.ac)
+    bound, e = step_lower_bound(run.model, layout, load_hardware("h100-sxm"), block), estimate(run)
+    assert 0.7 * e.step_s < bound <= e.step_s
+
+
+@pytest.mark.slow
+def test_the_pruned_search_finds_the_same_fastest_as_the_full_one():
+    """Branch and bound (playground/search.py, `search`): on compute-bound shapes the pruned
+    search plans fewer layouts and puts the same fastest three first, with the same steps,
+    as the search that estimates every candidate; no estimate falls below its bound."""
+    run = RunConfig(model=_big(), dtype="bfloat16", hardware="h100-sxm", progress=False)
+    full = search(run, 8, 16, fixed={"micro_batch_size": 2}, prune=False)
+    pruned = search(run, 8, 16, fixed={"micro_batch_size": 2})
+    assert pruned.pruned > 0 and pruned.estimated < full.estimated
+    assert full.bound_violations == 0 and pruned.bound_violations == 0
+    assert [(e.layout, e.step_s) for e in pruned.fits[:3]] == [(e.layout, e.step_s) for e in full.fits[:3]]
+    assert pruned.considered == len(pruned.fits) + len(pruned.rejected)
+
+
+@pytest.mark.slow
+def test_a_sabotaged_bound_prunes_the_fastest(monkeypatch):
+    """The bound must stay below the estimates: one 3× too high without a pipeline prunes
+    unplanned the layouts that were the fastest, and the fastest three change."""
+    from playground import search as search_module
+    run = RunConfig(model=_big(), dtype="bfloat16", hardware="h100-sxm", progress=False)
+    full = search(run, 8, 16, fixed={"micro_batch_size": 2}, prune=False)
+    true_bound = search_module.step_lower_bound
+    monkeypatch.setattr(search_module, "step_lower_bound",
+                        lambda c, lay, hw, block: true_bound(c, lay, hw, block) * (3.0 if lay.pp == 1 else 1.0))
+    bad = search(run, 8, 16, fixed={"micro_batch_size": 2})
+    assert [e.layout for e in bad.fits[:3]] != [e.layout for e in full.fits[:3]]

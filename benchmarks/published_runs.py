@@ -1,0 +1,177 @@
+"""The published training runs `playground plan` is held to (benchmarks/published.py).
+
+Each run as its source states it: the model, the layout, the batch, the precision, the
+recomputation, the GPUs, and the throughput it reports, converted to tokens per second
+per GPU with the source's own FLOP count where it reports FLOP/s. What a source does not
+state is chosen here and said in `chosen`. Models are this project's GPT (RMSNorm, RoPE,
+SwiGLU, untied head); a GeLU MLP of width 4h is planned as SwiGLU of width 8h/3 rounded
+down to a multiple of 64, which holds the same 8h² parameters and FLOPs per layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from model import GPTConfig
+from playground import Layout
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    source: str  # short name of the source
+    cite: str  # paper and table (or file and section)
+    name: str  # the row as the source names it
+    hardware: str  # the project's profile of the source's GPU
+    model: GPTConfig
+    layout: Layout
+    tokens_per_s_per_gpu: float  # published, converted as `published` says
+    published: str  # the figure as printed
+    chosen: str = ""  # what the source does not state, and what is taken for it
+    memory_gb: float | None = None  # published memory per GPU (GB), where given
+    memory_what: str = ""  # what that memory counts
+    run: dict = field(default_factory=dict)  # RunConfig fields besides the defaults (grad_overlap)
+
+    @property
+    def gpus(self) -> int:
+        return self.layout.world
+
+
+def gelu_gpt(vocab: int, h: int, heads: int, layers: int, seq: int, **kw) -> GPTConfig:
+    """A GPT-3-style model (GeLU MLP of 4h) as this project's GPT of the same parameters and FLOPs."""
+    return GPTConfig(vocab_size=vocab, d_model=h, n_layers=layers, n_heads=heads, d_ff=8 * h // 3 // 64 * 64,
+                     seq_len=seq, **kw)
+
+
+def llama3(size: str, seq: int, layers: int | None = None) -> GPTConfig:
+    """Llama 3 shapes (Dubey et al. 2024, Table 3): d_model, layers, heads, d_ff; 8 key/value
+    heads, vocabulary 128256."""
+    d, L, h, f = {"8b": (4096, 32, 32, 14336), "70b": (8192, 80, 64, 28672), "405b": (16384, 126, 128, 53248)}[size]
+    return GPTConfig(vocab_size=128256, d_model=d, n_layers=layers or L, n_heads=h, n_kv_heads=8, d_ff=f, seq_len=seq,
+                     rope_base=500000.0)
+
+
+def megatron_flops_per_token(cfg: GPTConfig, layers: int, recompute: bool) -> float:
+    """Narayanan et al. 2021, equation 3, per token: 96·l·h²·(1 + s/(6h) + V/(16·l·h)), the
+    recomputation's forward included (72 without it: Megatron-LM's printed TFLOP/s)."""
+    h, s, V = cfg.d_model, cfg.seq_len, cfg.vocab_size
+    return (96 if recompute else 72) * layers * h * h * (1 + s / (6 * h) + V / (16 * layers * h))
+
+
+# -- Narayanan et al. 2021, Table 1 (A100 80GB, Selene) --------------------------------------
+NARAYANAN_TABLE = [  # billions, heads, hidden, layers, t, p, GPUs, batch, TFLOP/s per GPU
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+_MEGATRON_2021 = ("micro-batch 1, 1F1B, no sequence parallelism (it came in 2022), attention without FlashAttention "
+                  "(scores in memory, fused softmax; dropout 0.1 on the probabilities, Megatron-LM's default), "
+                  "gradients all-reduced after the pipeline's backward (Megatron-LM's local DDP of 2021)")
+
+
+def narayanan(row) -> PublishedRun:
+    billions, heads, h, l, t, p, n, batch, tflops = row
+    cfg = gelu_gpt(51200, h, heads, l, 2048, attention="unfused", attention_dropout=0.1)
+    dp = n // (t * p)
+    return PublishedRun(
+        "Narayanan 2021", "Narayanan et al. 2021 (Megatron-LM), Table 1", f"{billions}B", "a100-80gb", cfg,
+        Layout(dp=dp, tp=t, pp=p, micro_batch_size=1, microbatches=batch // dp, ac="full"),
+        tflops * 1e12 / megatron_flops_per_token(cfg, l, True), f"{tflops} TFLOP/s per GPU (equation 3)",
+        _MEGATRON_2021, run={"grad_overlap": False})
+
+
+# -- Korthikanti et al. 2022, Table 5 (A100 80GB, Selene) -------------------------------------
+def korthikanti(size: str, method: str) -> PublishedRun:
+    """Iteration times of full recomputation against sequence parallelism with selective
+    recomputation (Table 5); shapes and layouts from Table 3 (22B: t 8; 175B: t 8, p 8,
+    interleaved with 3 chunks per rank), sequence 2048, vocabulary 51200, micro-batch 1."""
+    (h, heads, l, t, p, v, batch), secs = {
+        "22B": ((6144, 64, 48, 8, 1, 1, 4), {"full": 1.42, "seq+sel": 1.10}),
+        "175B": ((12288, 96, 96, 8, 8, 3, 64), {"full": 18.13, "seq+sel": 13.75}),
+    }[size]
+    cfg = gelu_gpt(51200, h, heads, l, 2048, attention="unfused", attention_dropout=0.1)
+    sel = method == "seq+sel"
+    n = t * p
+    return PublishedRun(
+        "Korthikanti 2022", "Korthikanti et al. 2022, Table 5 (layouts: Table 3)", f"{size} {method}", "a100-80gb", cfg,
+        Layout(tp=t, pp=p, micro_batch_size=1, microbatches=batch, sequence_parallel=sel,
+               ac="selective" if sel else "full", schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v),
+        batch * 2048 / secs[method] / n, f"{secs[method]} s per iteration",
+        "data parallelism 1 (GPUs = t·p); attention and reductions as in Narayanan 2021 above",
+        run={"grad_overlap": False})
+
+
+# -- BLOOM (BigScience 2022) ------------------------------------------------------------------
+def bloom() -> PublishedRun:
+    """BLOOM-176B: 70 layers, hidden 14336, 112 heads, vocabulary 250880 (padded), sequence
+    2048, global batch 2048 (Le Scao et al. 2022, BLOOM, section 3.4 and Table 3); 384 A100
+    80GB, TP 4 × PP 12 × DP 8, about 150 TFLOP/s per GPU and 60 GB used per GPU (BigScience
+    176B model card, "the engineering side")."""
+    cfg = gelu_gpt(250880, 14336, 112, 72, 2048, attention="unfused")
+    return PublishedRun(
+        "BLOOM 2022", "Le Scao et al. 2022 (BLOOM), section 3.4; BigScience 176B model card", "176B", "a100-80gb", cfg,
+        Layout(dp=8, tp=4, pp=12, zero=1, micro_batch_size=2, microbatches=128, ac="full"),
+        150e12 / megatron_flops_per_token(cfg.with_(n_layers=70), 70, True), "150 TFLOP/s per GPU (Megatron's count)",
+        "micro-batch 2, ZeRO-1, full recomputation, 1F1B, unfused attention without dropout (Megatron-DeepSpeed of "
+        "2022); 72 layers planned, 6 per stage: Megatron-DeepSpeed's partition of 70 puts 6 on the slowest stages",
+        memory_gb=60.0, memory_what="used per GPU (model card)", run={"grad_overlap": False})
+
+
+# -- Llama 3 (Dubey et al. 2024), Table 4 (H100 SXM, 400 Gb/s per GPU) -------------------------
+def llama3_405b(gpus: int, dp: int, per_dp: int, tflops: float) -> PublishedRun:
+    cfg = llama3("405b", 8192, layers=128)
+    return PublishedRun(
+        "Llama 3 2024", "Dubey et al. 2024 (The Llama 3 Herd of Models), Table 4", f"405B on {gpus:,}", "h100-sxm", cfg,
+        Layout(dp=dp, tp=8, pp=16, zero=1, sequence_parallel=True, micro_batch_size=1, microbatches=per_dp,
+               schedule="interleaved", virtual_stages=4),
+        tflops * 1e12 / llama3("405b", 8192).flops_per_token(), f"{tflops:.0f} TFLOP/s per GPU (BF16 MFU, PaLM's count)",
+        "sequence parallelism with TP 8, ZeRO-1 (FSDP without resharding, section 3.3.2), interleaved 1F1B with 4 "
+        "chunks per rank, micro-batch 1; 128 layers planned (8 per stage): the paper takes one layer from the first "
+        "and the last stage, so the middle stages, the slowest, hold 8")
+
+
+# -- MosaicML llm-foundry benchmarks (FSDP, FULL_SHARD) ---------------------------------------
+MPT = {"7b": (4096, 32, 32), "13b": (5120, 40, 40), "30b": (7168, 56, 48), "70b": (8192, 64, 80)}
+
+
+def mpt(size: str, gpu: str, gpus: int, mbs: int, accum: int, ac: bool, tps: float, pure: bool = False) -> PublishedRun:
+    h, heads, l = MPT[size]
+    cfg = gelu_gpt(50368, h, heads, l, 2048)
+    hw = {"a100": "a100-80gb", "h100": "h100-sxm"}[gpu]
+    return PublishedRun(
+        "llm-foundry", f"mosaicml/llm-foundry, scripts/train/benchmarking/README.md ({gpu.upper()} 80GB tables); shapes "
+        f"from scripts/train/yamls/pretrain/mpt-{size}.yaml", f"MPT-{size} on {gpus} {gpu.upper()}", hw, cfg,
+        Layout(dp=gpus, zero=3, micro_batch_size=mbs, microbatches=accum, ac="full" if ac else "none"),
+        tps, f"{tps:,} tokens/s per GPU",
+        "flash attention (the yamls' triton/flash kernels), learned positions and tied embeddings not modelled; "
+        "nodes of 8 GPUs on the profile's network (A100 rows: 1600 Gb/s RoCE per node, the table's header); "
+        + ("gradients reduced in bf16 (the row's PURE mixed precision)" if pure else
+           "gradients reduced in float32 (the row's DEFAULT mixed precision: Composer's reduce_dtype float32; an "
+           "older Composer all-gathered fp32 parameters instead, which this project does not model)"),
+        run={} if pure else {"reduce_dtype": "float32"})
+
+
+# -- torchtitan, docs/performance.md (FSDP2, 64 A100 80GB) ------------------------------------
+def torchtitan(size: str, ac: str, tps: float) -> PublishedRun:
+    return PublishedRun(
+        "torchtitan", "pytorch/torchtitan docs/performance.md, Llama 3 on 64 A100 (80GB) with FSDP2",
+        f"Llama 3 {size.upper()} ({ac} AC)", "a100-80gb", llama3(size, 8192),
+        Layout(dp=64, zero=3, micro_batch_size=1, microbatches=1, ac=ac),
+        tps, f"{tps:,} WPS (tokens/s per GPU)",
+        "sequence 8192 (torchtitan's Llama 3 configs; the table does not say), flash attention, gradients reduced in "
+        "float32 (torchtitan's default mixed_precision_reduce); selective op AC planned as this project's selective "
+        "checkpointing (matmul and attention outputs kept)", run={"reduce_dtype": "float32"})
+
+
+def suite() -> list:
+    """The published runs, in order of source."""
+    rows = [narayanan(r) for r in NARAYANAN_TABLE if r[0] < 100]
+    rows += [korthikanti(s, m) for s in ("22B", "175B") for m in ("full", "seq+sel")]
+    rows += [bloom()]
+    rows += [llama3_405b(8192, 64, 32, 430), llama3_405b(16384, 128, 16, 400)]
+    rows += [mpt("7b", "a100", 8, 6, 2, False, 4641), mpt("13b", "a100", 8, 2, 3, False, 2262),
+             mpt("30b", "a100", 8, 3, 21, True, 916), mpt("70b", "a100", 64, 8, 4, True, 410, pure=True),
+             mpt("7b", "h100", 8, 6, 1, False, 10643), mpt("13b", "h100", 64, 2, 1, False, 4800),
+             mpt("30b", "h100", 32, 14, 3, True, 2308), mpt("70b", "h100", 64, 8, 4, True, 1039)]
+    rows += [torchtitan("8b", "selective", 2973), torchtitan("70b", "full", 331)]
+    return rows
