@@ -1,6 +1,6 @@
 """Benchmark: the cost of simulating time and accounting memory. The
 8-rank DDP run of the first recipe (small GPT, micro-batch 8) three ways: off; on
-(`--hardware h100-sxm`: step 0 counted op by op, step 1 recorded, later steps replay
+(`--hardware h100-datasheet`: step 0 counted op by op, step 1 recorded, later steps replay
 its compute with op counting off, see simulator/clock.py); and on with every step
 counted op by op (`--count-every-step`). Target: at most 1.2× slower with it on.
 
@@ -19,8 +19,8 @@ from model import preset  # noqa: E402
 from playground import Layout, RunConfig  # noqa: E402
 from playground.training import train  # noqa: E402
 
-MODES = {"off": {}, "on": {"hardware": "h100-sxm"},
-         "on, every step counted": {"hardware": "h100-sxm", "count_every_step": True}}
+MODES = {"off": {}, "on": {"hardware": "h100-datasheet"},
+         "on, every step counted": {"hardware": "h100-datasheet", "count_every_step": True}}
 
 
 def main():

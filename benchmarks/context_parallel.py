@@ -1,12 +1,12 @@
 """Benchmark: context parallelism at long sequences on the 1b preset's shapes. Ring
 attention (zig-zag and contiguous) and Ulysses at seq 16k, 64k and 128k, cp = 1, 2, 4, 8,
-16, on meta tensors (shapes only: every op timed by the roofline model on h100-sxm, every
+16, on meta tensors (shapes only: every op timed by the roofline model on h100-datasheet, every
 call by the alpha-beta model, every saved tensor measured; nothing computed). One
 sequence per step, forward and backward, bf16, gradients averaged over cp with DDP.
 
 Per layout, the worst rank: bytes sent per step by context parallelism (`cp.*` labels)
 and in all, the simulated step with its compute, exposed communication and idle time,
-the peak activations; and the longest sequence that fits 80 GB (h100-sxm) beside 16 bytes
+the peak activations; and the longest sequence that fits 80 GB (h100-datasheet) beside 16 bytes
 per parameter of mixed-precision model states replicated over cp (activations grow
 linearly with the sequence here: attention keeps only q, k, v, its output and the
 log-sum-exp, as a fused kernel does). cp = 1 runs the same ring code on a group of one.
@@ -28,7 +28,7 @@ from model import GPT, preset  # noqa: E402
 from sequence_parallel import parallelize_context, shard_sequence  # noqa: E402
 from simulator import MemoryTracker, SimulatedTime, load_hardware  # noqa: E402
 
-HW = "h100-sxm"
+HW = "h100-datasheet"
 
 
 def rank_program(world, cfg, impl, balance):

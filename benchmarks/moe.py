@@ -13,7 +13,7 @@
    layer), the spread of the final biases, and the final loss, with and without the
    auxiliary and z losses (the language model's own, comparable across methods).
 3. Expert parallelism (the same model, cf 1.0, α = 0.01, dp 8, ep 1, 2, 4, 8, simulated on
-   h100-sxm): bytes each rank sends per step by the token dispatch and combine (`moe.*`) and
+   h100-datasheet): bytes each rank sends per step by the token dispatch and combine (`moe.*`) and
    in all, the simulated step and its exposed communication, the model states per rank.
 4. The GPU-sized presets (1b-moe: about 1B parameters, 8 experts, top-2; 1b-dsmoe: 16
    experts of half the width, top-4, one shared) on meta tensors
@@ -38,7 +38,7 @@ from playground import Layout, RunConfig, train  # noqa: E402
 from playground.parallelize import parallelize  # noqa: E402
 from simulator import MemoryTracker, SimulatedTime  # noqa: E402
 
-HW = "h100-sxm"
+HW = "h100-datasheet"
 
 
 def _trained(cfg, steps: int) -> tuple:

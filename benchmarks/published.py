@@ -31,7 +31,9 @@ from benchmarks._common import default_json, median, print_table, write_json  # 
 from benchmarks.published_runs import gelu_gpt, suite  # noqa: E402
 from playground import Layout, RunConfig  # noqa: E402
 from playground.planning import plan  # noqa: E402
+from playground.fits import DEFAULT_HEADROOM, usable  # noqa: E402
 from playground.search import estimate  # noqa: E402
+from simulator import load_hardware  # noqa: E402
 
 # ZeRO, Figure 1: GB per device for Ψ = 7.5B, Nd = 64, K = 12
 ZERO = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
@@ -64,6 +66,7 @@ def plan_published(r, hardware: str | None = None) -> dict:
            "chosen": r.chosen, "published_tokens_per_s_per_gpu": r.tokens_per_s_per_gpu,
            "planned_tokens_per_s_per_gpu": planned, "error": planned / r.tokens_per_s_per_gpu - 1,
            "step_s": e.step_s, "planned_peak_gb": e.peak / 1e9, "plans": e.plans,
+           "fits": e.peak <= usable(load_hardware(run.hardware), DEFAULT_HEADROOM),
            "plan_wall_s": time.perf_counter() - t0}
     if r.memory_gb is not None:
         out.update(published_memory_gb=r.memory_gb, memory_what=r.memory_what,
@@ -118,10 +121,11 @@ def main() -> None:
     print_table("Published runs: tokens/s per GPU, planned against published (planned/published - 1; positive: "
                 "the plan is optimistic)",
                 ["source", "run", "GPU", "GPUs", "layout", "published", "tokens/s/GPU", "planned", "error",
-                 "memory published / planned"],
+                 "planned peak", "memory published / planned"],
                 [[r["source"], r["name"], r["hardware"], f"{r['gpus']:,}", r["layout"].split(" (world")[0]
                   + f", mbs {r['micro_batch']}", r["published"], f"{r['published_tokens_per_s_per_gpu']:,.0f}",
                   f"{r['planned_tokens_per_s_per_gpu']:,.0f}", f"{r['error']:+.1%}",
+                  f"{r['planned_peak_gb']:.0f} GB" + ("" if r["fits"] else " (does not fit)"),
                   f"{r['published_memory_gb']:.0f} / {r['planned_peak_gb']:.1f} GB ({r['memory_error']:+.1%})"
                   if "published_memory_gb" in r else "-"] for r in rows])
     summary = {"runs": len(rows), "sources": len({r["source"] for r in rows}),

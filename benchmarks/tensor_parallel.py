@@ -5,7 +5,7 @@ are timed, every saved tensor is measured; nothing is computed). One microbatch 
 sequence, forward and backward, for tp = 1, 2, 4, 8.
 
 Per rank: bytes sent by tensor parallelism per step (from the ledger), the simulated
-forward+backward on h100-sxm, the peak activation memory of the whole model, and the
+forward+backward on h100-datasheet, the peak activation memory of the whole model, and the
 activations of one block (the difference between 4 and 2 layers) beside Korthikanti et
 al. 2022's per-layer formulas (bytes, 16-bit activations) without their attention-score
 term, as a flash kernel (and their selective recomputation) keeps no scores: no
@@ -68,12 +68,12 @@ def main():
     rows, out = [], []
     for tp in (1, 2, 4, 8):
         for sp in ((False, True) if tp > 1 else (False,)):
-            res = launch(rank_program, tp, args=(sp, cfg.n_layers, b), time_model=SimulatedTime("h100-sxm"))
+            res = launch(rank_program, tp, args=(sp, cfg.n_layers, b), time_model=SimulatedTime("h100-datasheet"))
             v = res.values[0]
             tp_calls = [e for e in res.ledger.for_rank(0) if e.label.startswith("tp.")]
             sent = sum(e.bytes_sent for e in tp_calls)
             algorithms = sorted({f"{e.op}:{e.algorithm}" for e in tp_calls if e.label.startswith(("tp.attn", "tp.mlp"))})
-            small = [launch(rank_program, tp, args=(sp, n, b), time_model=SimulatedTime("h100-sxm")).values[0][
+            small = [launch(rank_program, tp, args=(sp, n, b), time_model=SimulatedTime("h100-datasheet")).values[0][
                 "peak_activations"] for n in (2, 4)]
             per_layer = (small[1] - small[0]) / 2
             formula = korthikanti(s, b, h, a, tp, sp)
@@ -86,7 +86,7 @@ def main():
                         "korthikanti_per_layer": formula, "block_algorithms": algorithms})
     print_table(f"tensor parallelism on 350m shapes (s={s}, b={b}, h={h}, a={a}, {cfg.n_layers} layers, bf16, "
                 f"meta tensors), per rank, one microbatch forward + backward",
-                ["tp", "sp", "TP bytes sent", "block collectives (cost model's choice)", "step on h100-sxm", "activations (peak, model)",
+                ["tp", "sp", "TP bytes sent", "block collectives (cost model's choice)", "step on h100-datasheet", "activations (peak, model)",
                  "activations / layer", "Korthikanti / layer", "measured / formula"], rows)
     print("TP bytes: what the algorithm the cost model chose sends (recursive doubling for all-reduces where its "
           "fewer latencies win; with ring, SP moves the same volume as TP: tests/test_tensor_parallel.py)")

@@ -6,7 +6,7 @@ the ZeRO paper's mixed-precision formulas (2 + 2 + 12 bytes per parameter: stage
 parameters, as FSDP2: 14Ψ/N), the peak of the communication buffers (the
 gathered units and in-flight gradients the formulas leave out), the peak of activations,
 and the bytes sent per step from the ledger beside 2Ψ(N-1)/N (stages 0-2) and 3Ψ(N-1)/N
-(stage 3) elements of bf16; with the simulated step on h100-sxm. Prints a table and writes
+(stage 3) elements of bf16; with the simulated step on h100-datasheet. Prints a table and writes
 JSON.
 """
 import argparse
@@ -62,7 +62,7 @@ def main():
                2: (2 * psi, 2 * psi / N, 12 * psi / N), 3: (2 * psi / N, 2 * psi / N, 12 * psi / N)}
     rows, out = [], {}
     for stage in range(4):
-        res = launch(rank_program, N, args=(stage, args.batch), time_model=SimulatedTime("h100-sxm"))
+        res = launch(rank_program, N, args=(stage, args.batch), time_model=SimulatedTime("h100-datasheet"))
         v = res.values[0]
         s = v["states"]
         total = s["parameters"] + s["gradients"] + s["optimizer"]
@@ -83,7 +83,7 @@ def main():
     print_table(f"ZeRO at dp={N}, small GPT (Ψ = {psi:,} parameters), bf16 compute / fp32 master, "
                 f"{args.batch} sequences per rank; per rank, measured / formula",
                 ["stage", "parameters", "gradients", "optimizer", "model states", "comm buffers (peak)",
-                 "activations (peak)", "sent per step", "grads reduced by", "step on h100-sxm"], rows)
+                 "activations (peak)", "sent per step", "grads reduced by", "step on h100-datasheet"], rows)
     print("sent per step: the formula counts ring algorithms; the cost model picks recursive doubling where it is "
           "faster (small all-reduces), and the ledger records that algorithm's bytes")
     write_json(args.json, {"world": N, "psi": psi, "batch": args.batch, "stages": out})

@@ -264,7 +264,7 @@ def _search(args, typed: set) -> int:
     global_batch = args.global_batch
     args.dp = args.tp = args.pp = args.cp = args.ep = args.global_batch = None  # the template's layout: dp = world
     run = run_config(args, typed)
-    res = search(run, args.world, global_batch, fixed, exact=args.exact, headroom=args.memory_headroom)
+    res = search(run, args.world, global_batch, fixed, exact=args.exact, headroom=args.memory_headroom, jobs=args.jobs)
     print(search_summary(res, run, args.top))
     return 0 if res.fits else 1
 

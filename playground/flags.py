@@ -417,6 +417,9 @@ def parser() -> Parser:
             s.add_argument("--exact", type=whole(1), default=3,
                            help="with --search: how many of the fastest to plan in full (the others are estimated "
                                 "from shallow plans, marked *)")
+            s.add_argument("--jobs", type=whole(1), metavar="N",
+                           help="with --search: processes that plan layouts at once (default: the CPU count for more "
+                                "than 100 candidate layouts, else 1)")
     c = sub.add_parser("calibrate", help="measure this machine's kernels and links and write a hardware profile "
                                          "(--hardware FILE)")
     c.add_argument("--backend", default="torch", choices=["torch", "gloo"],

@@ -94,9 +94,9 @@ def _needs(typed: set, args, layout: Layout, cfg) -> None:
         raise InputError(f"--capacity-factor {args.capacity_factor} and --dropless: give one (dropless has no "
                          f"capacity)")
     if args.verb == "plan" and not args.search:
-        for flag in ("--top", "--exact"):
+        for flag in ("--top", "--exact", "--jobs"):
             if flag in typed:
-                raise InputError(f"{flag} ranks the layouts of --search: add --search")
+                raise InputError(f"{flag} is an option of --search: add --search")
 
 
 def _exist(args) -> None:

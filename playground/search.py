@@ -40,7 +40,10 @@ exist from the first microbatch's backward to the step); and in the pipeline's d
 interleaved), when every pipeline hop crosses nodes at any depth: the fill and drain add
 one step per stage, the first stage holds one more microbatch per stage, and the last
 stage (the head) holds the same at any depth. The blocks are affine from k = 1, and from
-k = 2 under ZeRO-3 (with one block it has no next layer to prefetch). So a layout is
+k = 3 under ZeRO-3 (the gathered units and gradient shards in flight settle from three
+blocks: below that the prefetch of the next unit meets the embedding's and the head's, and
+MPT-70b's peak under ZeRO-3 on 64 H100s, extrapolated from two and three blocks, was 109 GB;
+from three and four, 48 GB, equal to full plans at 16 blocks). So a layout is
 planned at k ∈ {k0, k0 + 1} blocks per chunk, at two microbatch counts from m0 (the next
 the schedule allows: m0 + 1, interleaved m0 + p) and, for a pipeline deeper than 3, at 2
 and 3 stages, on the same shapes otherwise (`points`), and its step is the multilinear
@@ -188,14 +191,14 @@ def points(layout, n_layers: int, gpus_per_node: int) -> tuple:
 
     p: (2, 3) for a pipeline deeper than 3 whose every stage is busy (m ≥ p, interleaved
     m ≥ 2p) and whose neighbours sit on other nodes at any depth (dp·cp·tp a multiple of
-    a node), else its own. k: k0 and k0 + 1 (k0 = 2 under ZeRO-3, else 1). m: from m0 (1
+    a node), else its own. k: k0 and k0 + 1 (k0 = 3 under ZeRO-3, else 1). m: from m0 (1
     without a pipeline, 2 under ZeRO-2/3, whose gradient shards, made by the first
     microbatch's backward, are held through the later forwards; the largest p, interleaved
     twice that), the next count the schedule allows at every p (interleaved: a multiple of
     each p)."""
     p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
     k = n_layers // (p * v)
-    k0 = 2 if layout.zero >= 3 else 1
+    k0 = 3 if layout.zero >= 3 else 1
     ks = (k0, k0 + 1) if k > k0 + 1 else (k,)
     busy = m >= (2 * p if v > 1 else p)
     deep = p > 3 and busy and (layout.dp * layout.cp * layout.tp) % gpus_per_node == 0

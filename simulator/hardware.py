@@ -18,6 +18,9 @@ its source), or an assumption said to be one:
   4.8 TB/s, 141 GB; network as DGX H100 (DGX H200: 400 Gb/s per GPU). `h200-datasheet`.
 - FP32 (not tensor-core; torch's default for float32 matmuls, TF32 off): A100 19.5 TFLOP/s,
   H100/H200 SXM 67 TFLOP/s (the same datasheets).
+- Compute beside communication (A100 and H100): 18.9% slower on average (Lee et al.
+  2025, "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep
+  Learning", 4 A100s and H100s; simulator/clock.py).
 - GEMM tiles (A100): cuBLAS's 256×128, 128×256 and 128×128 (NVIDIA, "Matrix
   Multiplication Background User's Guide", tile and wave quantization on the A100's 108
   SMs).
@@ -38,7 +41,7 @@ above with these; override them with a profile file):
 The `h200` profile is not the datasheet's: `playground calibrate` fitted it on 2× H200
 (playground/calibrate.py; its `source` says which run).
 A profile file (TOML or JSON) holds the same keys (`source` optional; `collective_floor`,
-`sm_count`, `matmul_tiles` and `attention_table` optional; a `calibration` table, as
+`sm_count`, `matmul_tiles`, `attention_table` and `overlap_slowdown` optional; a `calibration` table, as
 calibrate writes, and a `sources` table citing each number are kept for the record and not
 read); missing keys are an error.
 """
@@ -83,6 +86,8 @@ class Hardware:
     # ({head_dim: ((seq, fraction), ...)}): interpolated in log(seq) at the nearest measured
     # head dimension, held flat beyond the ends. None: `attention_fraction` at every shape
     attention_table: dict | None = None
+    # how much slower compute runs while a collective is in flight beside it (simulator/clock.py)
+    overlap_slowdown: float = 0.0
 
     @property
     def call_floor(self) -> float:
@@ -93,7 +98,7 @@ class Hardware:
         """Every field (a profile file's keys); collective_floor only where it is set."""
         out = asdict(self)
         for key in _OPTIONAL:
-            if out[key] is None:
+            if out[key] is None or (key == "overlap_slowdown" and not out[key]):
                 del out[key]
         return out
 
@@ -128,7 +133,7 @@ _ASSUMED = dict(attention_fraction=0.60, kernel_floor=5e-6)
 PROFILES = {
     "a100-80gb": Hardware("a100-80gb", 312e12, 0.80, 2.039e12, 0.90, 80 * GB, 232 * GB, 25 * GB, 2e-6, 5e-6, 8,
                           fp32_flops=19.5e12, **_ASSUMED, source="datasheet (A100 80GB SXM) and assumptions",
-                          sm_count=108, matmul_tiles=((256, 128), (128, 256), (128, 128))),
+                          sm_count=108, matmul_tiles=((256, 128), (128, 256), (128, 128)), overlap_slowdown=0.189),
     "h100-datasheet": Hardware("h100-datasheet", 989e12, 0.80, 3.35e12, 0.90, 80 * GB, 450 * GB, 50 * GB, 2e-6, 5e-6, 8,
                                fp32_flops=67e12, **_ASSUMED, source="datasheet (H100 SXM) and assumptions"),
     "h200-datasheet": Hardware("h200-datasheet", 989e12, 0.80, 4.8e12, 0.90, 141 * GB, 450 * GB, 50 * GB, 2e-6,
@@ -169,7 +174,7 @@ def profile_names() -> list:
     return sorted(set(PROFILES) | set(shipped))
 
 
-_OPTIONAL = ("collective_floor", "sm_count", "matmul_tiles", "attention_table")
+_OPTIONAL = ("collective_floor", "sm_count", "matmul_tiles", "attention_table", "overlap_slowdown")
 
 
 def hardware_from_dict(data: dict, where: str = "profile") -> Hardware:

@@ -37,7 +37,7 @@ class SimulatedTime(TimeModel):
     def start(self, world_size: int) -> None:
         self.ranks = []
         for _ in range(world_size):
-            clock = RankClock()
+            clock = RankClock(self.hardware.overlap_slowdown)
             self.ranks.append(RankTiming(clock, ComputeModel(self.hardware, clock)))
 
     def rank_context(self, rank: int):

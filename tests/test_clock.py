@@ -427,3 +427,75 @@ def test_grouped_gemm_experts_are_priced_by_their_flops():
         return compute.flops - before
     got = launch(fn, 1, time_model=SimulatedTime(H100)).values[0]
     assert got == 3 * 3 * 2 * 40 * 64 * 96
+
+
+def _beside(world, compute, blocking):
+    x = torch.empty(S // 4, device="meta")
+    clock = world.timing.clock
+    t0, e0 = clock.now, clock.exposed
+    w = world.all_reduce(x, async_op=not blocking)
+    clock.advance(compute)
+    if not blocking:
+        w.wait()
+    return clock.now - t0, clock.exposed - e0, clock.contention
+
+
+@pytest.mark.parametrize("ratio", [0.5, 2.0])
+def test_compute_beside_a_call_runs_slower_by_the_profiles_overlap_slowdown(ratio):
+    """Compute overlapping a call in flight is stretched by the profile's overlap_slowdown
+    times the overlap (Lee et al. 2025); compute after a blocking call is not."""
+    hw, compute = dataclasses.replace(H100, overlap_slowdown=0.25), COST * ratio
+    for elapsed, exposed, contention in launch(_beside, N, args=(compute, False), time_model=SimulatedTime(hw)).values:
+        stretched = compute + 0.25 * min(compute, COST)
+        assert contention == pytest.approx(0.25 * min(compute, COST))
+        assert elapsed == pytest.approx(max(stretched, COST))
+        assert exposed == pytest.approx(max(0.0, COST - stretched), abs=1e-15)
+    for elapsed, exposed, contention in launch(_beside, N, args=(compute, True), time_model=SimulatedTime(hw)).values:
+        assert contention == 0.0 and elapsed == pytest.approx(COST + compute)
+
+
+def test_a_matmul_runs_in_whole_tiles_and_waves():
+    """Tile and wave quantization (the profile's sm_count and matmul_tiles): an output of
+    exactly one wave of tiles runs at the matmul rate; one more row starts a second wave."""
+    hw = load_hardware("h100-sxm")
+    assert hw.sm_count == 132
+    assert hw.wave_quantization(128 * 12, 256 * 11) == 1.0  # 132 tiles of 128 × 256
+    assert hw.wave_quantization(128 * 12 + 1, 256 * 11) > 1.3
+    assert hw.wave_quantization(16384, 16384) == pytest.approx(1.0, abs=0.02)  # many waves: little lost
+    assert dataclasses.replace(hw, sm_count=None).wave_quantization(128 * 12 + 1, 256 * 11) == 1.0
+
+    def fn(world, m):
+        a = torch.empty(m, 4096, dtype=torch.bfloat16, device="meta")
+        b = torch.empty(4096, 256 * 11, dtype=torch.bfloat16, device="meta")
+        world.timing.compute_model.synchronize()
+        t0 = world.timing.clock.now
+        a @ b
+        return world.timing.clock.now - t0
+    one, more = (launch(fn, 1, args=(m,), time_model=SimulatedTime(hw)).values[0] for m in (128 * 12, 128 * 12 + 1))
+    flops = 2 * 128 * 12 * 4096 * 256 * 11
+    assert one == pytest.approx(hw.kernel_floor + flops / (hw.peak_bf16_flops * hw.matmul_fraction), rel=1e-9)
+    assert more - hw.kernel_floor > 1.3 * (one - hw.kernel_floor)
+
+
+def test_attention_runs_at_the_measured_fraction_for_its_shape(tmp_path):
+    """A profile's attention_table: interpolated in log(sequence) at the nearest measured head
+    dimension, flat beyond its ends; a profile file holds it and reads it back."""
+    import json
+    table = {64: ((1024, 0.2), (4096, 0.4)), 128: ((1024, 0.3), (4096, 0.5))}
+    hw = dataclasses.replace(H100, attention_table=table)
+    assert hw.attention_fraction_at(128, 2048) == pytest.approx(0.4)  # halfway in log2
+    assert hw.attention_fraction_at(128, 512) == 0.3 and hw.attention_fraction_at(128, 8192) == 0.5
+    assert hw.attention_fraction_at(64, 1024) == 0.2 and hw.attention_fraction_at(80, 4096) == 0.4
+    assert dataclasses.replace(hw, attention_table=None).attention_fraction_at(64, 1024) == H100.attention_fraction
+    (tmp_path / "hw.json").write_text(json.dumps(hw.to_dict()))
+    assert load_hardware(str(tmp_path / "hw.json")).attention_table == table
+
+    def fn(world):
+        q = torch.randn(1, 8, 2048, 128, dtype=torch.bfloat16)
+        q[0, 0, 0, 0].item()
+        t0 = world.timing.clock.now
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return world.timing.clock.now - t0
+    got = launch(fn, 1, time_model=SimulatedTime(hw)).values[0]
+    flops = 4 * 8 * 2048 * 2048 * 128 * (2048 + 1) // (2 * 2048)
+    assert got == pytest.approx(hw.kernel_floor + flops / (hw.peak_bf16_flops * 0.4), rel=1e-6)

@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["train", "--tensor-model-parallel-size", "2"], "it is --tp here"),
     (["plan", "--hardware", "h100-sxm", "--save", "ck"], "--save is not a flag of plan: it belongs to train"),
     (["plan", "--model", "tiny"], "--hardware is required"),
-    (["plan", "--hardware", "h100-sxm", "--top", "3"], "--top ranks the layouts of --search: add --search"),
+    (["plan", "--hardware", "h100-sxm", "--top", "3"], "--top is an option of --search: add --search"),
     (["check", "--hardware", "h100-sxm"], "--hardware is not a flag of check"),
     (["calibrate", "--backend", "gloo", "--world", "2", "--max-mib", "-5", "--out", "c.json"],
      "--max-mib -5: must be a finite number above 0"),

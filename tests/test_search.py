@@ -102,10 +102,9 @@ def _big():
     return GPTConfig(vocab_size=32000, d_model=4096, n_layers=4, n_heads=32, seq_len=4096)
 
 
-@pytest.mark.parametrize("axes", [dict(dp=8, zero=3), dict(dp=4, tp=2, zero=1, sequence_parallel=True, microbatches=2),
-                                  dict(pp=2, dp=4, zero=1, microbatches=2, ac="full"),
-                                  dict(pp=2, dp=2, tp=2, zero=1, sequence_parallel=True, microbatches=4,
-                                       schedule="interleaved", virtual_stages=2)])
+@pytest.mark.parametrize("axes", [dict(dp=8, zero=3)] + [pytest.param(a, marks=pytest.mark.slow) for a in (
+    dict(dp=4, tp=2, zero=1, sequence_parallel=True, microbatches=2), dict(pp=2, dp=4, zero=1, microbatches=2, ac="full"),
+    dict(pp=2, dp=2, tp=2, zero=1, sequence_parallel=True, microbatches=4, schedule="interleaved", virtual_stages=2))])
 def test_the_step_lower_bound_is_below_the_estimate_and_not_far_below(axes):
     from playground.search import block_compute, step_lower_bound
     from simulator import load_hardware
