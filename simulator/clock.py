@@ -57,7 +57,7 @@ class ReplayMismatchError(RuntimeError):
 
 
 class RankClock:
-    __slots__ = ("now", "streams", "compute", "host", "issuing", "exposed", "idle", "bubble", "_script", "_mode", "_pos", "_ops", "issued", "in_flight", "events", "busy", "overlap_slowdown", "contention")
+    __slots__ = ("now", "streams", "compute", "host", "issuing", "exposed", "idle", "bubble", "_script", "_mode", "_pos", "_ops", "issued", "in_flight", "events", "charged", "overlap_slowdown", "contention")
 
     def __init__(self, overlap_slowdown: float = 0.0):
         self.now = 0.0  # the compute stream's time
@@ -80,7 +80,7 @@ class RankClock:
         self.events: list = []
         # calls already charged their contention, (start, end), and how much slower compute
         # runs beside a call in flight (the profile's overlap_slowdown; the module docstring)
-        self.busy: set = set()
+        self.charged: set = set()
         self.overlap_slowdown = overlap_slowdown
         self.contention = 0.0  # seconds kernels were slowed by calls running beside them
 
@@ -179,7 +179,7 @@ class RankClock:
         """Compute waits for a call that ran over [start, end]; `pipeline`: a send or receive
         between pipeline stages, whose idle is the pipeline's bubble (Huang et al. 2019)."""
         self._event("wait")
-        if self.overlap_slowdown and (start, end) not in self.busy and min(end, self.now) > start:
+        if self.overlap_slowdown and (start, end) not in self.charged and min(end, self.now) > start:
             # the compute since the call started ran beside it (see the module docstring)
             extra = self.overlap_slowdown * (min(end, self.now) - start)
             self._span("compute", "contention", self.now, self.now + extra)
@@ -187,9 +187,9 @@ class RankClock:
             self.compute += extra
             self.contention += extra
         if self.overlap_slowdown:
-            self.busy.add((start, end))
-            if len(self.busy) > 4096:  # (calls already charged; old ones cannot come back)
-                self.busy = {c for c in self.busy if c[1] > self.now}
+            self.charged.add((start, end))
+            if len(self.charged) > 4096:  # (calls that ended before now cannot be waited again)
+                self.charged = {c for c in self.charged if c[1] > self.now}
         if end > self.now:
             if start > self.now:
                 self._span("bubble" if pipeline else "idle", None, self.now, start)

@@ -100,7 +100,7 @@ _ATTENTION = {getattr(torch.ops.aten, name) for name in (
     "_efficient_attention_forward", "_efficient_attention_backward") if hasattr(torch.ops.aten, name)} | set(_ALIASES)
 _HALF = (torch.bfloat16, torch.float16)
 # matmuls whose output is tiled (the profile's wave quantization)
-_MATMULS = {_op for _op in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)}
+_MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
 
 
 def _first_dtype(args):

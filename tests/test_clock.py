@@ -146,14 +146,17 @@ def test_host_and_device_are_two_queues():
     assert alone == pytest.approx(10 * floor + add)
 
 
+def _sdpa(world, shape):
+    """The simulated seconds of one causal SDPA call on q = k = v of `shape`."""
+    q = torch.randn(*shape, dtype=torch.bfloat16)
+    q[0, 0, 0, 0].item()
+    t0 = world.timing.clock.now
+    torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    return world.timing.clock.now - t0
+
+
 def test_attention_runs_at_the_attention_fraction():
-    def fn(world):
-        q = torch.randn(4, 8, 2048, 64, dtype=torch.bfloat16)
-        q[0, 0, 0, 0].item()
-        t0 = world.timing.clock.now
-        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-        return world.timing.clock.now - t0
-    got = launch(fn, 1, time_model=SimulatedTime(H100)).values[0]
+    got = launch(_sdpa, 1, args=((4, 8, 2048, 64),), time_model=SimulatedTime(H100)).values[0]
     flops = 4 * 4 * 8 * 2048 * 2048 * 64 * (2048 + 1) // (2 * 2048)  # QK^T and PV, causal half
     assert got == pytest.approx(H100.kernel_floor + flops / (H100.peak_bf16_flops * H100.attention_fraction), rel=1e-6)
 
@@ -489,13 +492,6 @@ def test_attention_runs_at_the_measured_fraction_for_its_shape(tmp_path):
     assert dataclasses.replace(hw, attention_table=None).attention_fraction_at(64, 1024) == H100.attention_fraction
     (tmp_path / "hw.json").write_text(json.dumps(hw.to_dict()))
     assert load_hardware(str(tmp_path / "hw.json")).attention_table == table
-
-    def fn(world):
-        q = torch.randn(1, 8, 2048, 128, dtype=torch.bfloat16)
-        q[0, 0, 0, 0].item()
-        t0 = world.timing.clock.now
-        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-        return world.timing.clock.now - t0
-    got = launch(fn, 1, time_model=SimulatedTime(hw)).values[0]
+    got = launch(_sdpa, 1, args=((1, 8, 2048, 128),), time_model=SimulatedTime(hw)).values[0]
     flops = 4 * 8 * 2048 * 2048 * 128 * (2048 + 1) // (2 * 2048)
     assert got == pytest.approx(hw.kernel_floor + flops / (hw.peak_bf16_flops * 0.4), rel=1e-6)
