@@ -135,7 +135,7 @@ def block_compute(run, tp: int, cp: int, micro_batch_size: int, ac: str = "none"
     return block, max(0.0, c[1, 2] - c[1, 1] - block)
 
 
-def step_lower_bound(cfg, layout: Layout, hw, block: tuple) -> float:
+def step_lower_bound(cfg, layout: Layout, block: tuple) -> float:
     """Seconds a step of `layout` takes at least, as the simulator times it, given `block`,
     one microbatch's time in a block and outside the blocks on a rank of its tp × cp with
     its checkpointing (`block_compute`): each rank's blocks (n_layers / pp of them) for
@@ -143,7 +143,7 @@ def step_lower_bound(cfg, layout: Layout, hw, block: tuple) -> float:
     pipeline's fill and drain, (p - 1) / v chunk-microbatches (Narayanan et al. 2021,
     section 2.2: the bubble of 1F1B, interleaved with v chunks). Data parallelism's
     communication and the optimizer only add. 0 for a model with experts, whose routing
-    decides the experts' compute. `hw` is the profile the block was planned on."""
+    decides the experts' compute."""
     if cfg.n_experts:
         return 0.0
     per_block, outside = block
@@ -255,15 +255,7 @@ class SearchResult:
     planned: int = 0  # plans run (shallow and full)
     pruned: int = 0  # layouts whose lower bound exceeded the fastest that fit: never planned
     bound_violations: int = 0  # estimates below their layout's lower bound (none expected)
-    screened: list = field(default_factory=list)  # (layout, its bound, its estimated step, seconds to estimate)
     wall_s: float = 0.0
-
-
-def _timed_estimate(run) -> tuple:
-    """(estimate(run), its seconds): the work a search's worker process does."""
-    t = time.perf_counter()
-    e = estimate(run)
-    return e, time.perf_counter() - t
 
 
 class _Inline:
@@ -318,7 +310,7 @@ def search(run, world: int, global_batch: int, fixed: dict | None = None, exact:
             if prune and not run.model.n_experts else []
         futures = {key: submit(_block_compute_or_zero, quiet, *key) for key in keys}
         blocks = {key: f.result() for key, f in futures.items()}
-        bounds = [step_lower_bound(run.model, lay, hw, blocks[(lay.tp, lay.cp, lay.micro_batch_size, lay.ac)])
+        bounds = [step_lower_bound(run.model, lay, blocks[(lay.tp, lay.cp, lay.micro_batch_size, lay.ac)])
                   if blocks else 0.0 for lay in layouts]
         bar.set_description("search")
         order = sorted(range(len(layouts)), key=lambda i: bounds[i])
@@ -350,9 +342,8 @@ def search(run, world: int, global_batch: int, fixed: dict | None = None, exact:
                 return False
             return True
 
-        def collect(i: int, e, seconds: float) -> None:
+        def collect(i: int, e) -> None:
             layout = layouts[i]
-            res.screened.append((layout, bounds[i], e.step_s, seconds))
             res.estimated += 1
             res.planned += e.plans
             res.bound_violations += e.step_s < bounds[i] * (1 - 1e-6)
@@ -379,7 +370,7 @@ def search(run, world: int, global_batch: int, fixed: dict | None = None, exact:
                     i = order[nxt]
                     nxt += 1
                     if precheck(i):
-                        pending[submit(_timed_estimate, replace(quiet, layout=layouts[i]))] = i
+                        pending[submit(estimate, replace(quiet, layout=layouts[i]))] = i
                 if not pending:
                     return
                 if pool is None:
@@ -387,17 +378,20 @@ def search(run, world: int, global_batch: int, fixed: dict | None = None, exact:
                 else:
                     done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
                 for f in done:
-                    collect(pending.pop(f), *f.result())
+                    collect(pending.pop(f), f.result())
 
         scan(kth)
         confirmed: list = []
         bar.set_description("search: the fastest in full")
+
+        def unconfirmed() -> list:
+            return sorted((e for e in res.fits if not any(e is c for c in confirmed)), key=lambda e: e.step_s)
         while len(confirmed) < exact:
-            rest = sorted((e for e in res.fits if not any(e is c for c in confirmed)), key=lambda e: e.step_s)
+            rest = unconfirmed()
             if rest:
                 first = rest[0].step_s
                 scan(lambda: first)  # nothing unscreened may be faster than the next to confirm
-                rest = sorted((e for e in res.fits if not any(e is c for c in confirmed)), key=lambda e: e.step_s)
+                rest = unconfirmed()
             elif nxt < len(order):
                 upto = bounds[order[nxt]]
                 scan(lambda: upto)
@@ -426,8 +420,7 @@ def search(run, world: int, global_batch: int, fixed: dict | None = None, exact:
                              f"and drain) > the {_ordinal(exact)} fastest that fit, {kth() * 1e3:.0f} ms: not "
                              f"planned"))
         res.pruned += 1
-    res.fits = sorted(confirmed, key=lambda e: e.step_s) + sorted(
-        (e for e in res.fits if not any(e is c for c in confirmed)), key=lambda e: e.step_s)
+    res.fits = sorted(confirmed, key=lambda e: e.step_s) + unconfirmed()
     res.wall_s = time.perf_counter() - t0
     return res
 

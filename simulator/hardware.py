@@ -8,11 +8,13 @@ its source), or an assumption said to be one:
   compute: 132 SMs, 1,980 MHz, 700 W) by benchmarks/shapes_gpu.py: bf16 matmuls at 0.70
   of the peak sustained under the power limit, with tile and wave quantization, fused
   attention by head dimension and sequence, memory-bound kernels at 0.77 of HBM; NCCL's
-  effective NVLink bandwidth, 370 GB/s (its maintainer, NVIDIA/nccl-tests issue 212).
+  effective NVLink bandwidth, 370 GB/s (NCCL's maintainer, NVIDIA/nccl-tests thread "H100 all
+  reduce performance is poor", 2024).
 - A100 80GB SXM (NVIDIA A100 Tensor Core GPU datasheet): bf16 dense 312 TFLOP/s, HBM2e
   2.039 TB/s, 80 GB, 108 SMs. NVLink 3 is 300 GB/s each way on the wire; NCCL's
   all_reduce_perf on 8 A100s of one node reaches a bus bandwidth of 232.5 GB/s
-  (NVIDIA/nccl-tests issue 175), the figure taken. Network: a DGX A100 node has one
+  (NVIDIA/nccl-tests thread "Two A100 nodes cannot reach ideal all-reduce performance",
+  2023), the figure taken. Network: a DGX A100 node has one
   200 Gb/s HDR InfiniBand port per GPU (DGX A100 user guide): 25 GB/s.
 - H200 SXM (NVIDIA H200 Tensor Core GPU datasheet): the H100's compute and NVLink, HBM3e
   4.8 TB/s, 141 GB; network as DGX H100 (DGX H200: 400 Gb/s per GPU). `h200-datasheet`.

@@ -107,11 +107,10 @@ def _big():
     dict(pp=2, dp=2, tp=2, zero=1, sequence_parallel=True, microbatches=4, schedule="interleaved", virtual_stages=2))])
 def test_the_step_lower_bound_is_below_the_estimate_and_not_far_below(axes):
     from playground.search import block_compute, step_lower_bound
-    from simulator import load_hardware
     layout = Layout(micro_batch_size=2, **axes)
     run = RunConfig(model=_big(), layout=layout, dtype="bfloat16", hardware="h100-sxm", progress=False)
     block = block_compute(run, layout.tp, layout.cp, layout.micro_batch_size, layout.ac)
-    bound, e = step_lower_bound(run.model, layout, load_hardware("h100-sxm"), block), estimate(run)
+    bound, e = step_lower_bound(run.model, layout, block), estimate(run)
     assert 0.7 * e.step_s < bound <= e.step_s
 
 
@@ -138,6 +137,6 @@ def test_a_sabotaged_bound_prunes_the_fastest(monkeypatch):
     full = search(run, 8, 16, fixed={"micro_batch_size": 2}, prune=False)
     true_bound = search_module.step_lower_bound
     monkeypatch.setattr(search_module, "step_lower_bound",
-                        lambda c, lay, hw, block: true_bound(c, lay, hw, block) * (3.0 if lay.pp == 1 else 1.0))
+                        lambda c, lay, block: true_bound(c, lay, block) * (3.0 if lay.pp == 1 else 1.0))
     bad = search(run, 8, 16, fixed={"micro_batch_size": 2})
     assert [e.layout for e in bad.fits[:3]] != [e.layout for e in full.fits[:3]]
