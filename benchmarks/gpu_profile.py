@@ -93,12 +93,96 @@ def steady_state(kineto_events, last: int) -> str:
         f"unblocked host per launch)"])
 
 
+def idle_gaps(kineto_events, last: int, top: int = 25) -> str:
+    """Where the device waits for the host in the steady state (`steady_state`'s window): each
+    gap of over 5 µs between the device's kernels is charged to the host op that launched the
+    kernel ending it (the device waited for that launch), innermost and outermost op apart,
+    summed per step, largest first."""
+    import bisect
+    ops, launch_at, steps, device = [], {}, [], []
+    for e in kineto_events:
+        start, end = e.start_ns(), e.start_ns() + e.duration_ns()
+        if e.device_type().name == "CPU":
+            if e.name() == "train.step":
+                steps.append(start)
+            elif e.name() in LAUNCHES:
+                launch_at[e.correlation_id()] = start
+            else:
+                ops.append((start, end, e.name()))
+        elif not getattr(e, "is_user_annotation", lambda: False)():
+            device.append((start, end, e.correlation_id()))
+    steps.sort()
+    if len(steps) < last + 2:
+        return "idle gaps: too few steps"
+    h0, h1 = steps[-last - 2], steps[-2]
+    ops.sort()
+    starts = [o[0] for o in ops]
+    device = sorted(d for d in device if h0 <= launch_at.get(d[2], -1) < h1)
+    inner: dict = {}
+    outer: dict = {}
+    reach = None
+    for start, end, corr in device:
+        t = launch_at[corr]
+        if reach is not None and start - reach > 5000 and t < reach:  # launched before: waited for something else
+            gap = (start - reach) / last / 1e6
+            inner["(launched before the gap)"] = inner.get("(launched before the gap)", 0.0) + gap
+        elif reach is not None and start - reach > 5000:
+            around = [o for o in ops[max(0, bisect.bisect_right(starts, t) - 4000):bisect.bisect_right(starts, t)]
+                      if o[1] >= t and o[2] != "train.step"]
+            gap = (start - reach) / last / 1e6
+            if around:
+                i, o = min(around, key=lambda o: o[1] - o[0]), max(around, key=lambda o: o[1] - o[0])
+                inner[i[2]] = inner.get(i[2], 0.0) + gap
+                outer[o[2]] = outer.get(o[2], 0.0) + gap
+            else:
+                inner["(no op)"] = inner.get("(no op)", 0.0) + gap
+        reach = end if reach is None else max(reach, end)
+    lines = [f"device idle per step (gaps over 5 µs), by the host op launching the kernel after the gap:"]
+    for title, table in (("innermost op", inner), ("outermost op", outer)):
+        lines.append(f"  {title}: {sum(table.values()):.2f} ms")
+        for name, ms in sorted(table.items(), key=lambda kv: -kv[1])[:top]:
+            lines.append(f"    {ms:8.3f} ms  {name[:110]}")
+    return "\n".join(lines)
+
+
+def python_profile(a, target, args) -> None:
+    """`--python`: the run under cProfile; from rank 0, NAME.txt (see the option's help)."""
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    try:
+        target()
+    except SystemExit:
+        pass
+    prof.disable()
+    wall = time.perf_counter() - t0
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, f"{a.name}.txt"), "w") as f:
+        f.write(f"python profile of playground {' '.join(args)}: wall {wall:.2f} s\n\n")
+        for title, key, limit, restrict in (("by own time", "tottime", 60, ()),
+                                            ("this repository's, by cumulative time", "cumulative", 80, (root,))):
+            text = io.StringIO()
+            stats = pstats.Stats(prof, stream=text).sort_stats(key)
+            stats.print_stats(*[r.replace("\\", "/") for r in restrict], limit)
+            f.write(f"== {title}\n{text.getvalue()}\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--name", required=True)
     ap.add_argument("--side", choices=["playground", "torch"], required=True)
     ap.add_argument("--last", type=int, default=3, help="steps in the steady-state window")
+    ap.add_argument("--python", action="store_true",
+                    help="profile the host's Python instead (cProfile over the whole run: where the host's time "
+                         "per step goes when the step is host-bound); writes NAME.txt with the functions by own "
+                         "time and this repository's by cumulative time")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     args = a.args[1:] if a.args[:1] == ["--"] else a.args
@@ -108,6 +192,8 @@ def main() -> None:
     else:
         from benchmarks.gpu_side_by_side import main as target
         sys.argv = ["gpu_side_by_side.py"] + args
+    if a.python:
+        return python_profile(a, target, args)
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         try:
@@ -124,6 +210,7 @@ def main() -> None:
         f.write(f"{a.side}: {' '.join(args)}\n")
         f.write(f"wall {wall:.2f} s, device busy (kernels + copies, summed) {device_us / 1e6:.2f} s\n\n")
         f.write(steady_state(prof.profiler.kineto_results.events(), a.last) + "\n\n")
+        f.write(idle_gaps(prof.profiler.kineto_results.events(), a.last) + "\n\n")
         f.write(events.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
         f.write("\n\n")
         f.write(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .compiled import fused_on
+from .compiled import compiled, fused_on
 from .regions import fused_kernel
 
 
@@ -242,6 +242,18 @@ def local_experts(x, tokens, gates, counts, w_gate, w_up, w_down):
     wide = torch.promote_types(y.dtype, torch.float32)
     out = torch.zeros(x.shape, dtype=wide, device=x.device).index_add(0, tokens, y.to(wide) * gates.unsqueeze(-1))
     return out.to(y.dtype)  # (under autocast the experts' dtype, as a dense MLP's)
+
+
+def whole_layer(x, logits, bias, w_gate, w_up, w_down, c, rows: int) -> tuple:
+    """(out, aux, z, routed, dropped): a token group's routing (`static_route`), balancing
+    losses (`balance_losses`, f_i from this group's counts alone) and experts
+    (`local_experts`), one after another: what a GPU compiles as one region when the layer
+    has nothing to exchange with other ranks (`MoE._whole_on_gpu`), the compiled regions'
+    host cost paid once a layer instead of three times."""
+    scores, tokens, gates, counts, routed, dropped, chosen = static_route(logits, bias, c)
+    f = sequence_counts(chosen, rows, c.n_experts) if c.aux_loss == "sequence" else routed
+    aux, z = balance_losses(logits, scores, f, c)
+    return local_experts(x, tokens, gates, counts, w_gate, w_up, w_down), aux, z, routed, dropped
 
 
 def capacity(c, tokens: int) -> int | None:
@@ -511,6 +523,14 @@ class MoE(nn.Module):
             out = out.index_add(0, routing.tokens, y * routing.gates.unsqueeze(-1).to(y.dtype))
         return out if self.shared is None else out + self.shared(x)
 
+    def _whole_on_gpu(self, flat) -> bool:
+        """Whether the layer runs as one compiled region (`whole_layer`): on a GPU where the
+        grouped GEMMs apply, with its experts here (no dispatch), its f_i from its own tokens
+        (no statistics or sequence group) and nothing recorded for the check. Elsewhere the
+        same functions run in three regions, each priced as one kernel by the simulator."""
+        return (flat.is_cuda and not self.record and self.dispatch is None and self.stats_group is None
+                and self.sequence_group is None and grouped_mm_applies(flat, self.experts.w_gate))
+
     def _route(self, logits):
         """route(), keeping the decision when recording (a layout's rank under the check)."""
         if not self.record or logits.is_meta:
@@ -567,6 +587,15 @@ class MoE(nn.Module):
             # ranks with a capacity (the dispatch needs the compact kept rows and their sizes) or
             # in a plan (the dispatch's sizes: balanced counts on the host)
             T, E, k = logits.shape[0], c.n_experts, c.top_k
+            if self._whole_on_gpu(flat):
+                e = self.experts
+                out, aux, z, routed, dropped = compiled(whole_layer)(flat, logits, self.expert_bias, e.w_gate,
+                                                                     e.w_up, e.w_down, c, b)
+                self._add_load(routed)
+                if self.shared is not None:
+                    out = out + self.shared(flat)
+                self._record(aux * self.aux_scale, z * self.aux_scale, routed, dropped)
+                return _AddAuxLoss.apply(out.reshape(b, s, d), (aux + z) * self.aux_scale)
             if not self.record and (self.dispatch is None or not (c.capacity_factor or logits.is_meta)):
                 io = T * E * (logits.element_size() + 4) + T * k * 20 + 4 * E * 8  # logits in; scores, rows out
                 scores, *fields = _region("moe_routing", io, static_route, logits, self.expert_bias, c)

@@ -438,7 +438,8 @@ def test_the_regions_a_gpu_compiles_compile_whole_and_equal_the_eager_layer(cf, 
     """What a GPU runs through torch.compile (the routing in static shapes, the balancing
     losses, the local experts' gather, grouped GEMMs and combine) compiles as one graph each
     (fullgraph: a graph break would fall back to op by op, silently slower), here on the CPU,
-    and the layer's output and gradients equal the eager layer's."""
+    and so does the whole layer as one region (`whole_layer`, where nothing is exchanged with
+    other ranks); the layer's output and gradients equal the eager layer's either way."""
     import dataclasses
 
     import model.moe as moe_module
@@ -453,9 +454,11 @@ def test_the_regions_a_gpu_compiles_compile_whole_and_equal_the_eager_layer(cf, 
     x = torch.randn(2, 16, cfg.d_model, dtype=torch.bfloat16)
     monkeypatch.setattr(moe_module, "grouped_mm_applies", lambda x, w: True)
     got = {}
-    for fused in (False, True):
+    for fused in (False, True, "whole"):
         monkeypatch.setattr(moe_module, "fused_on", lambda fn, t: torch.compile(fn, fullgraph=True, dynamic=False)
                             if fused else fn)
+        monkeypatch.setattr(moe_module, "compiled", lambda fn: torch.compile(fn, fullgraph=True, dynamic=False))
+        monkeypatch.setattr(moe_module.MoE, "_whole_on_gpu", lambda self, flat: fused == "whole")
         layer.stats = mm.MoEStats()
         for p in layer.parameters():
             p.grad = None
@@ -469,8 +472,9 @@ def test_the_regions_a_gpu_compiles_compile_whole_and_equal_the_eager_layer(cf, 
         (y.float() * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
         got[fused] = (y.detach().float(), xi.grad.float(), [p.grad.float() for p in layer.parameters()],
                       layer.stats.resolved())
-    (y1, gx1, gp1, st1), (y2, gx2, gp2, st2) = got[False], got[True]
-    assert st1.routed == st2.routed and st1.dropped == st2.dropped
-    assert torch.allclose(y1, y2, rtol=2e-2, atol=2e-2) and torch.allclose(gx1, gx2, rtol=3e-2, atol=3e-2)
-    for a, b in zip(gp1, gp2):
-        assert torch.allclose(a, b, rtol=3e-2, atol=3e-2)
+    y1, gx1, gp1, st1 = got[False]
+    for y2, gx2, gp2, st2 in (got[True], got["whole"]):
+        assert st1.routed == st2.routed and st1.dropped == st2.dropped and st1.aux == pytest.approx(st2.aux, rel=2e-2)
+        assert torch.allclose(y1, y2, rtol=2e-2, atol=2e-2) and torch.allclose(gx1, gx2, rtol=3e-2, atol=3e-2)
+        for a, b in zip(gp1, gp2):
+            assert torch.allclose(a, b, rtol=3e-2, atol=3e-2)
