@@ -1,9 +1,11 @@
-"""Benchmark: `playground plan --search` with branch and bound against the search that
-estimates every candidate (playground/search.py): wall time on this machine and whether
-the fastest three layouts, and their steps, are the same. Searches: 70b on 1024 ranks
-(global batch 1024) and 7b on 64 (global batch 256), on h100-sxm, the README's. `--full`
-also runs the unpruned reference (an hour or more at 70B on 2 cores); without it the
-reference is read from an earlier JSON (`--reference FILE`) where given. Writes JSON.
+"""Benchmark: `playground plan --search` with branch and bound against a reference search
+(playground/search.py): wall time on this machine and whether the fastest three layouts,
+and their steps, are the same. Searches: 70b on 1024 ranks (global batch 1024) and 7b on
+64 (global batch 256), on h100-sxm, the README's. References: `--full` estimates every
+candidate (hours at 70B on 2 cores); `--weakened SCALE` multiplies every step bound by
+SCALE and turns the peak bound off, so it estimates every layout whose bound is within
+1/SCALE of the third fastest and every one the peak bound would reject (tens of minutes at
+0.8); `--reference FILE` reads them from an earlier JSON. Writes JSON.
 """
 import argparse
 import json
@@ -16,7 +18,7 @@ sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from benchmarks._common import default_json, print_table, write_json  # noqa: E402
 from model import preset  # noqa: E402
 from playground import RunConfig  # noqa: E402
-from playground.search import search  # noqa: E402
+from playground import search as search_module  # noqa: E402
 
 SEARCHES = {"70b-1024": ("70b", 1024, 1024), "7b-64": ("7b", 64, 256)}
 
@@ -26,12 +28,23 @@ def top(res, n: int = 3) -> list:
              "exact": e.exact} for e in res.fits[:n]]
 
 
-def one(name: str, prune: bool) -> dict:
+def one(name: str, prune: bool, jobs: int | None, weaken: float | None = None) -> dict:
+    """One search; `weaken`: a reference whose every step bound is multiplied by it (below
+    1: more layouts estimated) and whose peak bound is off (every layout that passes the
+    model states is estimated)."""
     model, world, batch = SEARCHES[name]
     run = RunConfig(model=preset(model), dtype="bfloat16", hardware="h100-sxm", progress=False)
     t0 = time.perf_counter()
-    res = search(run, world, batch, prune=prune)
-    return {"search": name, "prune": prune, "wall_s": time.perf_counter() - t0, "considered": res.considered,
+    true_step, true_peak = search_module.step_lower_bound, search_module.memory_lower_bound
+    if weaken is not None:  # (the bounds are taken in this process; the workers only estimate)
+        search_module.step_lower_bound = lambda *args: weaken * true_step(*args)
+        search_module.memory_lower_bound = lambda *args: 0.0
+    try:
+        res = search_module.search(run, world, batch, prune=prune, jobs=jobs)
+    finally:
+        search_module.step_lower_bound, search_module.memory_lower_bound = true_step, true_peak
+    return {"search": name, "prune": prune, "weaken": weaken, "jobs": jobs or os.cpu_count(),
+            "wall_s": time.perf_counter() - t0, "considered": res.considered,
             "estimated": res.estimated, "plans": res.planned, "pruned": res.pruned,
             "bound_violations": res.bound_violations, "top": top(res)}
 
@@ -40,31 +53,43 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", choices=sorted(SEARCHES), default=None)
     ap.add_argument("--full", action="store_true", help="also run the unpruned reference search")
-    ap.add_argument("--reference", default=None, help="a JSON of this benchmark holding the unpruned searches")
+    ap.add_argument("--weakened", type=float, default=None, metavar="SCALE",
+                    help="also run a reference whose step bounds are multiplied by SCALE (< 1) and whose peak "
+                         "bound is off: it estimates every layout whose bound is within 1/SCALE of the third "
+                         "fastest")
+    ap.add_argument("--reference", default=None, help="a JSON of this benchmark holding the reference searches")
+    ap.add_argument("--jobs", type=int, default=None, help="worker processes (default: the CPU count)")
     ap.add_argument("--json", default=default_json("search_speed"))
     a = ap.parse_args()
     names = [a.only] if a.only else list(SEARCHES)
     rows = []
     for name in names:
-        rows.append(one(name, True))
+        rows.append(one(name, True, a.jobs))
+        print(json.dumps(rows[-1], indent=1), flush=True)
         if a.full:
-            rows.append(one(name, False))
-        elif a.reference:
-            rows += [r for r in json.load(open(a.reference))["rows"] if r["search"] == name and not r["prune"]]
+            rows.append(one(name, False, a.jobs))
+        if a.weakened:
+            rows.append(one(name, True, a.jobs, a.weakened))
+        if a.reference:
+            rows += [r for r in json.load(open(a.reference))["rows"]
+                     if r["search"] == name and (not r["prune"] or r.get("weaken"))]
         print(json.dumps(rows[-1], indent=1), flush=True)
     table = []
     for name in names:
-        got = {r["prune"]: r for r in rows if r["search"] == name}
-        p, f = got.get(True), got.get(False)
-        same = None if f is None else [(x["layout"], x["micro_batch"]) for x in p["top"]] == [
-            (x["layout"], x["micro_batch"]) for x in f["top"]]
-        table.append([name, f"{p['wall_s']:.0f} s", f"{p['estimated']} ({p['pruned']} pruned)",
-                      "-" if f is None else f"{f['wall_s']:.0f} s", "-" if f is None else f["estimated"],
-                      "-" if same is None else ("yes" if same else "NO"), p["bound_violations"],
-                      " | ".join(f"{x['layout'].split(' (world')[0]} mbs {x['micro_batch']}: {x['step_s'] * 1e3:.0f} ms"
-                                 for x in p["top"])])
-    print_table("plan --search on h100-sxm: branch and bound against estimating every layout",
-                ["search", "pruned search", "estimated", "full search", "estimated", "same fastest 3",
+        pruned = next(r for r in rows if r["search"] == name and r["prune"] and not r.get("weaken"))
+        for ref in [r for r in rows if r["search"] == name and r is not pruned] or [None]:
+            same = None if ref is None else [(x["layout"], x["micro_batch"]) for x in pruned["top"]] == [
+                (x["layout"], x["micro_batch"]) for x in ref["top"]]
+            kind = "-" if ref is None else "every layout" if not ref["prune"] else f"bounds × {ref['weaken']}, no peak bound"
+            table.append([name, f"{pruned['wall_s']:.0f} s", f"{pruned['estimated']} ({pruned['pruned']} pruned)",
+                          kind, "-" if ref is None else f"{ref['wall_s']:.0f} s",
+                          "-" if ref is None else ref["estimated"],
+                          "-" if same is None else ("yes" if same else "NO"),
+                          pruned["bound_violations"] + (0 if ref is None else ref["bound_violations"]),
+                          " | ".join(f"{x['layout'].split(' (world')[0]} mbs {x['micro_batch']}: "
+                                     f"{x['step_s'] * 1e3:.0f} ms" for x in pruned["top"])])
+    print_table("plan --search on h100-sxm: branch and bound against a reference search",
+                ["search", "pruned search", "estimated", "reference", "its time", "estimated", "same fastest 3",
                  "estimates below bound", "fastest 3 (pruned search)"], table)
     write_json(a.json, {"benchmark": "search_speed", "rows": rows})
 

@@ -17,10 +17,13 @@ full; and, where dp spans nodes, hybrid sharding (ZeRO within the dp ranks of on
 of 2, 4, ... nodes, the shards replicated across the rest) beside ZeRO over all of dp. Axes the caller fixes (`fixed`)
 are not searched.
 
-Each candidate is first held to `Layout.validate` (each strategy's rules) and to a lower
-bound of its memory (the model states alone: bf16 weights and gradients, fp32 master
+Each candidate is first held to `Layout.validate` (each strategy's rules) and to lower
+bounds of its memory: the model states alone (bf16 weights and gradients, fp32 master
 weights and moments, split by tp·pp and sharded by ZeRO over its shard group: the one
-formula of zero.model_state_bytes); the survivors are estimated (`estimate`), and one
+formula of zero.model_state_bytes), and, in a pruned search, the states held all through
+a step with one microbatch's activations in a rank's blocks (`memory_lower_bound`, one
+block's activations from the plans that bound its time); the survivors are estimated
+(`estimate`), and one
 whose peak exceeds the profile's HBM less the allocator's headroom (playground/fits.py: 12%
 by default) is rejected with its peak. Checkpointing modes are
 tried in the order none, selective, full, and a layout that fits with one is not tried
@@ -70,6 +73,7 @@ from tqdm import tqdm
 
 from model.config import divisors
 from simulator import load_hardware
+from simulator.cost_model import collective_cost
 from zero.rules import model_state_bytes
 
 from .fits import DEFAULT_HEADROOM, usable
@@ -116,40 +120,124 @@ def candidates(cfg, world: int, global_batch: int, gpus_per_node: int, fixed: di
 
 
 def block_compute(run, tp: int, cp: int, micro_batch_size: int, ac: str = "none") -> tuple:
-    """(per block, outside the blocks): seconds of one microbatch on a rank of `tp` × `cp`
-    with checkpointing `ac`, as the simulator times them with no data or pipeline
-    parallelism: the device's time less its waits for the host (its kernels, memory-bound
-    ones included, and the tensor- and context-parallel calls it waits for, which block it
-    at any data-parallel degree). From four plans of one and two blocks and one and two
-    microbatches: the mixed difference is one block's; the difference in microbatches at
-    one block, less it, what each microbatch adds outside the blocks (embedding, head,
-    loss); what is paid once a step (the optimizer) falls out of both."""
-    c = {}
+    """(per block, outside the blocks, activations per block): seconds of one microbatch on
+    a rank of `tp` × `cp` with checkpointing `ac`, as the simulator times them with no data
+    or pipeline parallelism: the device's time less its waits for the host (its kernels,
+    memory-bound ones included, and the tensor- and context-parallel calls it waits for,
+    which block it at any data-parallel degree); and the bytes of activations one block
+    adds to the peak of one microbatch's forward (data parallelism and ZeRO leave them as
+    they are). From four plans of one and two blocks and one and two microbatches: the
+    mixed difference is one block's; the difference in microbatches at one block, less it,
+    what each microbatch adds outside the blocks (embedding, head, loss); what is paid once
+    a step (the optimizer) falls out of both."""
+    c, act = {}, {}
     for k in (1, 2):
         for m in (1, 2):
             layout = Layout(tp=tp, cp=cp, sequence_parallel=tp > 1, micro_batch_size=micro_batch_size,
                             microbatches=m, zero=1, ac=ac)
-            step = plan(replace(run, model=run.model.with_(n_layers=k), layout=layout)).values[0]["step"]
+            values = plan(replace(run, model=run.model.with_(n_layers=k), layout=layout)).values
+            step = values[0]["step"]
             c[k, m] = step["time"] - step["host"]
+            act[k, m] = min(v["memory"]["peak_activations"] for v in values)
     block = max(0.0, c[2, 2] - c[2, 1] - c[1, 2] + c[1, 1])
-    return block, max(0.0, c[1, 2] - c[1, 1] - block)
+    return block, max(0.0, c[1, 2] - c[1, 1] - block), max(0.0, act[2, 1] - act[1, 1])
 
 
-def step_lower_bound(cfg, layout: Layout, block: tuple) -> float:
-    """Seconds a step of `layout` takes at least, as the simulator times it, given `block`,
-    one microbatch's time in a block and outside the blocks on a rank of its tp × cp with
-    its checkpointing (`block_compute`): each rank's blocks (n_layers / pp of them) for
-    each microbatch, and without a pipeline what each microbatch adds outside them, plus a
-    pipeline's fill and drain, (p - 1) / v chunk-microbatches (Narayanan et al. 2021,
-    section 2.2: the bubble of 1F1B, interleaved with v chunks). Data parallelism's
-    communication and the optimizer only add. 0 for a model with experts, whose routing
-    decides the experts' compute."""
+def step_lower_bound(run, layout: Layout, block: tuple, hw=None) -> float:
+    """Seconds a step of `layout` (with `run`'s model, dtypes and hardware `hw`) takes at
+    least, as the simulator times it, given `block`, one microbatch's time in a block and
+    outside the blocks on a rank of its tp × cp with its checkpointing (`block_compute`):
+    each rank's blocks (n_layers / pp of them) for each microbatch and what each
+    microbatch adds outside them (with a pipeline, half of it: on the stage holding the
+    embedding or the head), plus a pipeline's fill and drain, (p - 1) / v
+    chunk-microbatches (Narayanan et al. 2021, section 2.2: the bubble of 1F1B, interleaved
+    with v chunks); plus what data parallelism's calls add to the compute stream at least,
+    and at least as long as its busiest communication stream (`communication_bound`). The
+    optimizer only adds. 0 for a model with experts, whose routing decides the experts'
+    compute."""
+    cfg = run.model
     if cfg.n_experts:
         return 0.0
-    per_block, outside = block
+    per_block, outside = block[:2]
     bubble = (layout.pp - 1) / layout.virtual_stages if layout.schedule in ("1f1b", "interleaved") else 0.0
     blocks = per_block * cfg.n_layers / layout.pp * (layout.microbatches + bubble)
-    return blocks + (outside * layout.microbatches if layout.pp == 1 else 0.0)
+    # what each microbatch adds outside the blocks: all of it without a pipeline; with one,
+    # the first stage adds the embedding's part and the last the head's, one of them at
+    # least half
+    compute = blocks + outside * layout.microbatches * (1.0 if layout.pp == 1 else 0.5)
+    added, busiest = communication_bound(run, layout, hw or load_hardware(run.hardware))
+    return max(compute + added, busiest)
+
+
+def data_parallel_calls(run, layout: Layout) -> list:
+    """[(op, bytes, group ranks, calls)]: the data-parallel collectives a rank holding
+    n_layers / pp blocks issues in one step, at least (zero/zero.py): its blocks' parameters
+    alone (at least 1/tp of each block's), in the compute dtype's width and the gradients in
+    the reduce dtype's, on rank 0's groups (every shard group is placed alike). ZeRO-0:
+    one all-reduce; 1: a reduce-scatter and the all-gather after the step; 2 and 3 without
+    a pipeline reduce every microbatch, and 3 gathers twice per microbatch (before the
+    forward and the backward); under a pipeline they reduce once and 3 gathers once.
+    Hybrid sharding adds the all-reduce of each reduced shard across the replicas."""
+    cfg = run.model
+    wide = 4 if run.dtype == "float32" else 2
+    reduce_width = {"float32": 4, None: wide}.get(run.reduce_dtype, 2)
+    block = (cfg.with_(n_layers=2).n_params() - cfg.with_(n_layers=1).n_params()) / layout.tp
+    local = block * cfg.n_layers // layout.pp
+    shard_group = [j * layout.cp * layout.tp + c * layout.tp for j in range(layout.dp_shard) for c in range(layout.cp)]
+    if len(shard_group) == 1:
+        return []
+    m = layout.microbatches
+    each = 1 if layout.pp > 1 or layout.zero < 2 else m  # reductions per step
+    if layout.zero == 0:
+        return [("all_reduce", local * reduce_width, shard_group, 1)]
+    calls = [("reduce_scatter", local * reduce_width, shard_group, each),
+             ("all_gather", local * wide, shard_group, 2 * m if layout.zero == 3 and layout.pp == 1 else 1)]
+    if layout.dp_replicate > 1:
+        stride = layout.dp_shard * layout.cp * layout.tp
+        calls.append(("all_reduce", local / len(shard_group) * reduce_width,
+                      [i * stride for i in range(layout.dp_replicate)], each))
+    return calls
+
+
+def communication_bound(run, layout: Layout, hw) -> tuple:
+    """(added, busiest): seconds the data-parallel calls of a step (`data_parallel_calls`)
+    add to a rank's compute stream at least, and the longest any one of its communication
+    streams is busy, both from their alpha-beta costs without the latency terms (each
+    call's cost is that much at least, and linear in its bytes, so the calls of a step cost
+    at least their bytes in one call: simulator/cost_model.py).
+
+    A call on a stream of its own adds to the compute stream (simulator/clock.py): waited
+    after it ended, the compute beside it stretched by s·d (s: the profile's
+    overlap_slowdown, d its duration); waited at t while it runs, the stretch s·(t − start)
+    then the rest exposed, at least s·d / (1 + s) over every t; waited before it started,
+    all of d. And a step lasts at least as long as any of its streams is busy."""
+    free = replace(hw, nvlink_latency=0.0, network_latency=0.0)
+    s = hw.overlap_slowdown or 0.0
+    added, streams = 0.0, {}
+    for op, size, ranks, calls in data_parallel_calls(run, layout):
+        d = calls * collective_cost(op, size, ranks, free)[0]
+        added += s * d / (1 + s)
+        streams[tuple(ranks)] = streams.get(tuple(ranks), 0.0) + d
+    return added, max(streams.values(), default=0.0)
+
+
+def memory_lower_bound(cfg, layout: Layout, block: tuple) -> float:
+    """Bytes a rank holding n_layers / pp blocks has in use at least when one microbatch's
+    forward has gone through them (each schedule's stage holds at least that before the
+    microbatch's backward): the states it holds at every moment of the second step (AdamW
+    made its moments at the first: playground/planning.py) for its blocks' parameters (at
+    least 1/tp of each block's): fp32 master weights and moments, sharded by ZeRO over its
+    shard group, bf16 compute copies below ZeRO-3 and the full gradients below ZeRO-2
+    (zero/zero.py: stages 2-3 make their gradient shards in the backward); and its blocks'
+    activations, `block`'s third part per block (`block_compute`). 0 for a model with
+    experts, whose routing decides what the experts hold."""
+    if cfg.n_experts or len(block) < 3:
+        return 0.0
+    params = (cfg.with_(n_layers=2).n_params() - cfg.with_(n_layers=1).n_params()) / layout.tp
+    params *= cfg.n_layers // layout.pp
+    shard = layout.dp_shard * layout.cp
+    held = 12 / (shard if layout.zero >= 1 else 1) + (2 if layout.zero < 3 else 0) + (2 if layout.zero < 2 else 0)
+    return params * held + block[2] * (cfg.n_layers // layout.pp)
 
 
 def model_states_bound(cfg, layout: Layout) -> float:
@@ -276,8 +364,10 @@ def search(run, world: int, global_batch: int, fixed: dict | None = None, exact:
     HBM free (playground/fits.py).
 
     Branch and bound: candidates are taken in order of their step's lower bound
-    (`step_lower_bound`, from one block's compute planned once per tp, cp and micro-batch
-    size: `block_compute`), and once `exact` layouts fit, one whose bound exceeds the
+    (`step_lower_bound`, from one block's compute planned once per tp, cp, micro-batch
+    size and checkpointing, `block_compute`, and the least its data-parallel calls cost,
+    `communication_bound`), those whose peak must exceed the HBM are rejected unplanned
+    (`memory_lower_bound`), and once `exact` layouts fit, one whose bound exceeds the
     `exact`-th fastest estimate cannot be among the fastest: it and the rest are pruned
     unplanned. Each layout confirmed in full first estimates every candidate whose bound
     is below its step, so the fastest `exact` are those of a search that estimated every
@@ -306,11 +396,11 @@ def search(run, world: int, global_batch: int, fixed: dict | None = None, exact:
                disable=not run.progress)
     try:
         # one block's compute per microbatch for each (tp, cp, micro-batch) among the candidates
-        keys = sorted({(lay.tp, lay.cp, lay.micro_batch_size, lay.ac) for lay in layouts}) \
+        keys = sorted({_key(lay) for lay in layouts}) \
             if prune and not run.model.n_experts else []
         futures = {key: submit(_block_compute_or_zero, quiet, *key) for key in keys}
         blocks = {key: f.result() for key, f in futures.items()}
-        bounds = [step_lower_bound(run.model, lay, blocks[(lay.tp, lay.cp, lay.micro_batch_size, lay.ac)])
+        bounds = [step_lower_bound(run, lay, blocks[_key(lay)], hw)
                   if blocks else 0.0 for lay in layouts]
         bar.set_description("search")
         order = sorted(range(len(layouts)), key=lambda i: bounds[i])
@@ -339,6 +429,12 @@ def search(run, world: int, global_batch: int, fixed: dict | None = None, exact:
             if states > cap:
                 res.rejected.append((layout, "model states exceed HBM", f"model states alone "
                                      f"{states / 2**30:.1f} GiB > {_of_hbm(hw, headroom)}"))
+                return False
+            held = memory_lower_bound(run.model, layout, blocks[_key(layout)]) if blocks else 0.0
+            if held > cap:
+                res.rejected.append((layout, "states and activations exceed HBM", f"at least {held / 2**30:.1f} "
+                                     f"GiB at the end of a microbatch's forward (its blocks' activations and the "
+                                     f"states held throughout) > {_of_hbm(hw, headroom)}"))
                 return False
             return True
 
@@ -417,7 +513,7 @@ def search(run, world: int, global_batch: int, fixed: dict | None = None, exact:
     for i in order[nxt:]:
         res.rejected.append((layouts[i], "pruned by its lower bound",
                              f"at least {bounds[i] * 1e3:.0f} ms a step (its blocks' time, the pipeline's fill "
-                             f"and drain) > the {_ordinal(exact)} fastest that fit, {kth() * 1e3:.0f} ms: not "
+                             f"and drain, its data-parallel calls) > the {_ordinal(exact)} fastest that fit, {kth() * 1e3:.0f} ms: not "
                              f"planned"))
         res.pruned += 1
     res.fits = sorted(confirmed, key=lambda e: e.step_s) + unconfirmed()
@@ -430,7 +526,12 @@ def _block_compute_or_zero(run, tp: int, cp: int, micro_batch_size: int, ac: str
     try:
         return block_compute(run, tp, cp, micro_batch_size, ac)
     except (LayoutError, ValueError):
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
+
+
+def _key(layout: Layout) -> tuple:
+    """What `block_compute` depends on."""
+    return layout.tp, layout.cp, layout.micro_batch_size, layout.ac
 
 
 def _ordinal(n: int) -> str:

@@ -3,11 +3,13 @@ memory pre-filter never rejects what would fit (a lower bound of the planned sta
 the layouts that fit come out fastest first, each equal to planning it alone, and the
 estimates that screen them equal full plans."""
 import json
+from dataclasses import replace
 
 import pytest
 
 from model import preset
 from playground import Layout, RunConfig
+from pipeline.schedules import fewest_microbatches
 from playground.planning import plan
 from playground.search import candidates, estimate, model_states_bound, points, search
 
@@ -34,6 +36,55 @@ def test_the_memory_bound_is_below_the_planned_model_states(axes):
     p = plan(RunConfig(model=CFG, layout=layout, dtype="bfloat16", hardware="h100-sxm", progress=False))
     states = max(v["memory"]["parameters"] + v["memory"]["gradients"] + v["memory"]["optimizer"] for v in p.values)
     assert model_states_bound(CFG, layout) <= states <= 1.5 * model_states_bound(CFG, layout)
+
+
+@pytest.mark.parametrize("axes", [dict(dp=4, zero=1), dict(dp=4, zero=3, microbatches=2, ac="selective"),
+                                  dict(dp=4, tp=2, zero=3, sequence_parallel=True, dp_replicate=2),
+                                  dict(dp=2, pp=2, zero=1, microbatches=3, ac="full"),
+                                  dict(pp=2, zero=1, schedule="interleaved", virtual_stages=2, microbatches=4)])
+def test_the_peak_bound_from_one_block_is_below_the_planned_peak(axes):
+    """Before a layout is estimated its peak is bounded by the states held all through a
+    step and one microbatch's activations in its blocks, one block's of which
+    `block_compute` measures: never above the plan's peak, and not far below where
+    activations dominate."""
+    from playground.search import block_compute, memory_lower_bound
+    cfg = preset("tiny", n_layers=4, seq_len=256)
+    layout = Layout(micro_batch_size=2, **axes)
+    run = RunConfig(model=cfg, layout=layout, dtype="bfloat16", hardware="h100-sxm", progress=False)
+    block = block_compute(run, layout.tp, layout.cp, layout.micro_batch_size, layout.ac)
+    assert block[2] > 0
+    peak = max(v["memory"]["peak_total"] for v in plan(run).values)
+    bound = memory_lower_bound(cfg, layout, block)
+    assert 0.3 * peak < bound <= peak, (bound, peak)
+
+
+@pytest.mark.parametrize("axes", [dict(dp=8, zero=1, microbatches=2), dict(dp=8, zero=3, microbatches=2),
+                                  dict(dp=4, tp=2, zero=3, sequence_parallel=True, dp_replicate=2),
+                                  dict(dp=8, pp=2, zero=1, microbatches=4)])
+def test_the_data_parallel_calls_the_bound_counts_are_at_most_the_run_s(axes):
+    """`communication_bound` prices the data-parallel calls a step makes at least
+    (`data_parallel_calls`): their bytes never exceed those the planned run's ledger
+    counts for each kind of ZeRO call, on a world spanning two nodes of 8."""
+    from playground.search import data_parallel_calls
+    layout = Layout(micro_batch_size=1, **axes)
+    run = RunConfig(model=CFG, layout=layout, dtype="bfloat16", hardware="h100-sxm", progress=False)
+    counted: dict = {}
+    for op, size, ranks, calls in data_parallel_calls(run, layout):
+        counted[op] = counted.get(op, 0) + size * calls
+    assert counted
+
+    def made(layout) -> dict:
+        out: dict = {}
+        for call in plan(replace(run, layout=layout)).ledger.for_rank(0):
+            if call.label.startswith("zero.") and call.op in counted:
+                out[call.op] = out.get(call.op, 0) + call.size
+        return out
+    # a plan's first step runs the fewest microbatches the schedule allows, the second all
+    first = replace(layout, microbatches=fewest_microbatches(layout.schedule, layout.pp) if layout.pp > 1 else 1)
+    both, once = made(layout), made(first)
+    made = {op: both[op] - once[op] / 2 for op in both}
+    for op, size in counted.items():
+        assert 0.5 * made[op] < size <= made[op], (op, size, made[op])
 
 
 @pytest.mark.slow
@@ -110,7 +161,7 @@ def test_the_step_lower_bound_is_below_the_estimate_and_not_far_below(axes):
     layout = Layout(micro_batch_size=2, **axes)
     run = RunConfig(model=_big(), layout=layout, dtype="bfloat16", hardware="h100-sxm", progress=False)
     block = block_compute(run, layout.tp, layout.cp, layout.micro_batch_size, layout.ac)
-    bound, e = step_lower_bound(run.model, layout, block), estimate(run)
+    bound, e = step_lower_bound(run, layout, block), estimate(run)
     assert 0.7 * e.step_s < bound <= e.step_s
 
 
@@ -137,6 +188,20 @@ def test_a_sabotaged_bound_prunes_the_fastest(monkeypatch):
     full = search(run, 8, 16, fixed={"micro_batch_size": 2}, prune=False)
     true_bound = search_module.step_lower_bound
     monkeypatch.setattr(search_module, "step_lower_bound",
-                        lambda c, lay, block: true_bound(c, lay, block) * (3.0 if lay.pp == 1 else 1.0))
+                        lambda r, lay, block, hw=None: true_bound(r, lay, block, hw) * (3.0 if lay.pp == 1 else 1.0))
     bad = search(run, 8, 16, fixed={"micro_batch_size": 2})
+    assert [e.layout for e in bad.fits[:3]] != [e.layout for e in full.fits[:3]]
+
+
+@pytest.mark.slow
+def test_a_sabotaged_peak_bound_rejects_what_fits(monkeypatch):
+    """The peak bound must stay below the plans' peaks: one 10× too high rejects unplanned
+    layouts that fit, and the fastest three change."""
+    from playground import search as search_module
+    run = RunConfig(model=_big(), dtype="bfloat16", hardware="h100-sxm", progress=False)
+    full = search(run, 8, 16, fixed={"micro_batch_size": 2}, prune=False)
+    true_bound = search_module.memory_lower_bound
+    monkeypatch.setattr(search_module, "memory_lower_bound", lambda c, lay, block: 10.0 * true_bound(c, lay, block))
+    bad = search(run, 8, 16, fixed={"micro_batch_size": 2})
+    assert "states and activations exceed HBM" in {kind for _, kind, _ in bad.rejected}
     assert [e.layout for e in bad.fits[:3]] != [e.layout for e in full.fits[:3]]
