@@ -231,16 +231,70 @@ def grouped_swiglu(x, counts, w_gate, w_up, w_down):
     return gmm(F.silu(gmm(x, w_gate)) * gmm(x, w_up), w_down)
 
 
-def local_experts(x, tokens, gates, counts, w_gate, w_up, w_down):
+class _Permuted(torch.autograd.Function):
+    """x.index_select(0, perm) for a permutation `perm` of x's rows, whose backward is the
+    gather by its inverse: a GPU's backward of index_select is a scatter-add, which Inductor
+    runs as an accumulating index_put that sorts its indices (0.43 ms a layer of a 1b-moe
+    step on an H200: benchmarks/results/gpu/run37_moe_whole)."""
+
+    @staticmethod
+    def forward(ctx, x, perm, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse, = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def token_slots(tokens, k: int) -> tuple:
+    """(slot, at) for rows `tokens` (N,) in which each of the N/k tokens appears k times (all
+    of a group's assignments, in any order): slot (N,) the rows of token 0's assignments,
+    then token 1's, ... (a stable sort by token), and at (N,) its inverse, the place of each
+    row among them (row i is assignment at[i] % k of token at[i] // k)."""
+    slot = torch.sort(tokens, stable=True).indices
+    at = torch.empty_like(slot).scatter_(0, slot, torch.arange(slot.numel(), device=slot.device))
+    return slot, at
+
+
+def gather_rows(x, tokens, k: int, slots=None):
+    """x.index_select(0, tokens) where each of x's T rows is in `tokens` k times: x's rows
+    repeated k times, then permuted (`_Permuted`), so that no backward scatter-adds."""
+    T, d = x.shape
+    slot, at = slots if slots is not None else token_slots(tokens, k)
+    return _Permuted.apply(x.unsqueeze(1).expand(T, k, d).reshape(T * k, d), at, slot)
+
+
+def combine_rows(rows, tokens, k: int, slots=None):
+    """zeros(T, d).index_add(0, tokens, rows) where each of the T tokens is in `tokens` k
+    times: the rows permuted token-major (`_Permuted`) and each token's k added in the order
+    its assignments come in `tokens` (deterministic, where an index_add's atomics are not)."""
+    slot, at = slots if slots is not None else token_slots(tokens, k)
+    n, d = rows.shape
+    return _Permuted.apply(rows, slot, at).reshape(n // k, k, d).sum(dim=1)
+
+
+def local_experts(x, tokens, gates, counts, w_gate, w_up, w_down, k: int):
     """A token group's routed output (T, d) from experts held here, by grouped GEMMs: the rows
     gathered expert-major, the experts applied, each row weighed by its gate and added to its
-    token (what a GPU compiles: `MoE._group`). The gather is an index_select, whose backward
-    is a scatter-add; the k gated rows of a token are added in float32 and the sum rounded to
-    the experts' dtype once (a bf16 scatter-add compiles to an accumulating index_put, which
-    sorts the indices: 5 ms of a 1b-moe step's 72 ms of device time on an H200)."""
-    y = grouped_swiglu(x.index_select(0, tokens), counts, w_gate, w_up, w_down)
+    token (what a GPU compiles: `MoE._group`). With all of the group's T·k assignments
+    (static shapes: `static_routing`; or none dropped) the gather and the combine are
+    permutations (`gather_rows`, `combine_rows`), whose backwards gather too; with the kept
+    ones alone, an index_select, whose backward is a scatter-add, and an index_add. The k
+    gated rows of a token are added in float32 and the sum rounded to the experts' dtype once
+    (a bf16 scatter-add compiles to an accumulating index_put, which sorts the indices)."""
+    T = x.shape[0]
+    whole = tokens.shape[0] == T * k
+    slots = token_slots(tokens, k) if whole else None
+    y = grouped_swiglu(gather_rows(x, tokens, k, slots) if whole else x.index_select(0, tokens), counts,
+                       w_gate, w_up, w_down)
     wide = torch.promote_types(y.dtype, torch.float32)
-    out = torch.zeros(x.shape, dtype=wide, device=x.device).index_add(0, tokens, y.to(wide) * gates.unsqueeze(-1))
+    weighted = y.to(wide) * gates.unsqueeze(-1)
+    if whole:
+        out = combine_rows(weighted, tokens, k, slots)
+    else:
+        out = torch.zeros(x.shape, dtype=wide, device=x.device).index_add(0, tokens, weighted)
     return out.to(y.dtype)  # (under autocast the experts' dtype, as a dense MLP's)
 
 
@@ -253,7 +307,7 @@ def whole_layer(x, logits, bias, w_gate, w_up, w_down, c, rows: int) -> tuple:
     scores, tokens, gates, counts, routed, dropped, chosen = static_route(logits, bias, c)
     f = sequence_counts(chosen, rows, c.n_experts) if c.aux_loss == "sequence" else routed
     aux, z = balance_losses(logits, scores, f, c)
-    return local_experts(x, tokens, gates, counts, w_gate, w_up, w_down), aux, z, routed, dropped
+    return local_experts(x, tokens, gates, counts, w_gate, w_up, w_down, c.top_k), aux, z, routed, dropped
 
 
 def capacity(c, tokens: int) -> int | None:
@@ -375,9 +429,12 @@ def routing(scores, decision: Decision, c) -> Routing:
 
 
 def _count(experts, E: int) -> torch.Tensor:
-    """How many of `experts` (expert ids) are each of the E experts: bincount's result, made
-    by a scatter, since torch.bincount on a GPU reads its input's largest value on the host."""
-    return torch.zeros(E, dtype=torch.long, device=experts.device).index_add_(0, experts, torch.ones_like(experts))
+    """How many of `experts` (expert ids) are each of the E experts: bincount's result, as a
+    comparison with each id and a sum (a reduction), since torch.bincount on a GPU reads its
+    input's largest value on the host, and a scatter-add of ones compiles to an accumulating
+    index_put that sorts its indices (0.43 ms a layer of a 1b-moe step on an H200:
+    benchmarks/results/gpu/run38_moe_gather)."""
+    return (experts.reshape(-1, 1) == torch.arange(E, device=experts.device)).sum(dim=0)
 
 
 def router_scores(logits, c):
@@ -516,7 +573,7 @@ class MoE(nn.Module):
             T, d, rows, f = x.shape[0], x.shape[1], routing.tokens.shape[0], e.w_gate.shape[1]
             io = 2 * (T * d + 2 * rows * d + 2 * 3 * rows * f + 2 * rows * d) + 8 * 3 * e.w_gate.numel()
             out = _region("moe_local_experts", io, local_experts, x, routing.tokens, routing.gates, routing.counts,
-                          e.w_gate, e.w_up, e.w_down)
+                          e.w_gate, e.w_up, e.w_down, self.config.top_k)
         else:
             y = self._apply_experts(x.index_select(0, routing.tokens), routing.counts)
             out = x.new_zeros(x.shape, dtype=y.dtype)  # (under autocast the experts' dtype, as a dense MLP's)

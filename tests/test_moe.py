@@ -91,6 +91,30 @@ def test_identity_experts_round_trip_returns_the_input_exactly(ep):
     assert all(launch(fn, ep).values)
 
 
+@pytest.mark.parametrize("T,k", [(7, 1), (12, 2), (5, 3)])
+def test_the_permuted_gather_and_combine_equal_index_select_and_index_add(T, k):
+    """Where every token of a group is routed k times (static shapes), the experts' gather and
+    combine are permutations whose backwards gather (no scatter-add on a GPU): the same
+    values and gradients, in float64, as index_select and index_add."""
+    g = torch.Generator().manual_seed(T * k)
+    tokens = torch.arange(T).repeat_interleave(k)[torch.randperm(T * k, generator=g)]
+    x = torch.randn(T, 6, dtype=torch.float64, generator=g)
+    rows = torch.randn(T * k, 6, dtype=torch.float64, generator=g)
+    w1, w2 = torch.randn(T * k, 6, dtype=torch.float64, generator=g), torch.randn(T, 6, dtype=torch.float64, generator=g)
+    got, want = {}, {}
+    for out, gather, combine in ((got, mm.gather_rows, mm.combine_rows),
+                                 (want, lambda x, t, k: x.index_select(0, t),
+                                  lambda r, t, k: torch.zeros(T, 6, dtype=r.dtype).index_add(0, t, r))):
+        xi, ri = x.clone().requires_grad_(), rows.clone().requires_grad_()
+        a, b = gather(xi, tokens, k), combine(ri, tokens, k)
+        ((a * w1).sum() + (b * w2).sum()).backward()
+        out.update(a=a.detach(), b=b.detach(), gx=xi.grad, gr=ri.grad)
+    assert torch.equal(got["a"], want["a"]) and torch.equal(got["gr"], want["gr"])
+    for key in ("b", "gx"):  # (sums of k terms, in another order)
+        assert torch.allclose(got[key], want[key], rtol=1e-14, atol=1e-15)
+    assert torch.autograd.gradcheck(lambda x: mm.gather_rows(x, tokens, k), x.clone().requires_grad_())
+
+
 def test_dropless_output_of_a_rank_does_not_depend_on_the_others_tokens():
     cfg = BASE.with_(capacity_factor=0.0)
 
