@@ -45,21 +45,31 @@ LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaun
             "cudaMemsetAsync", "cudaLaunchCooperativeKernel")
 
 
-def steady_state(kineto_events, last: int) -> str:
-    """The steady-state lines (module docstring) from the profiler's kineto events (times in
-    ns on one clock). The device's window starts at the first device event launched in a
-    step (matched to its launch by correlation id): the host may run ahead of the device."""
-    host, device, launch_at = [], [], {}
+def classify(kineto_events) -> tuple:
+    """(steps, launch_at, device, ops) of the profiler's kineto events (times in ns on one
+    clock): the host's "train.step" starts, sorted; each launch's host time by correlation
+    id; the device's events (start, end, name, correlation id); and the host's other ops
+    (start, end, name)."""
+    steps, launch_at, device, ops = [], {}, [], []
     for e in kineto_events:
         start, end = e.start_ns(), e.start_ns() + e.duration_ns()
         if e.device_type().name == "CPU":
             if e.name() == "train.step":
-                host.append(start)
+                steps.append(start)
             elif e.name() in LAUNCHES:
                 launch_at[e.correlation_id()] = start
+            else:
+                ops.append((start, end, e.name()))
         elif not getattr(e, "is_user_annotation", lambda: False)():
             device.append((start, end, e.name(), e.correlation_id()))
-    host.sort()
+    return sorted(steps), launch_at, device, ops
+
+
+def steady_state(kineto_events, last: int) -> str:
+    """The steady-state lines (module docstring) from the profiler's kineto events (times in
+    ns on one clock). The device's window starts at the first device event launched in a
+    step (matched to its launch by correlation id): the host may run ahead of the device."""
+    host, launch_at, device, _ = classify(kineto_events)
     if len(host) < last + 2:
         return f"steady state: {len(host)} train.step ranges, need {last + 2}"
     h0, h1 = host[-last - 2], host[-2]
@@ -99,19 +109,8 @@ def idle_gaps(kineto_events, last: int, top: int = 25) -> str:
     kernel ending it (the device waited for that launch), innermost and outermost op apart,
     summed per step, largest first."""
     import bisect
-    ops, launch_at, steps, device = [], {}, [], []
-    for e in kineto_events:
-        start, end = e.start_ns(), e.start_ns() + e.duration_ns()
-        if e.device_type().name == "CPU":
-            if e.name() == "train.step":
-                steps.append(start)
-            elif e.name() in LAUNCHES:
-                launch_at[e.correlation_id()] = start
-            else:
-                ops.append((start, end, e.name()))
-        elif not getattr(e, "is_user_annotation", lambda: False)():
-            device.append((start, end, e.correlation_id()))
-    steps.sort()
+    steps, launch_at, device, ops = classify(kineto_events)
+    device = [(start, end, corr) for start, end, _, corr in device]
     if len(steps) < last + 2:
         return "idle gaps: too few steps"
     h0, h1 = steps[-last - 2], steps[-2]
