@@ -69,6 +69,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 
+import torch
 from tqdm import tqdm
 
 from model.config import divisors
@@ -179,8 +180,7 @@ def data_parallel_calls(run, layout: Layout) -> list:
     forward and the backward); under a pipeline they reduce once and 3 gathers once.
     Hybrid sharding adds the all-reduce of each reduced shard across the replicas."""
     cfg = run.model
-    wide = 4 if run.dtype == "float32" else 2
-    reduce_width = {"float32": 4, None: wide}.get(run.reduce_dtype, 2)
+    wide, reduce_width = _width(run.dtype), _width(run.reduce_dtype or run.dtype)
     block = (cfg.with_(n_layers=2).n_params() - cfg.with_(n_layers=1).n_params()) / layout.tp
     local = block * cfg.n_layers // layout.pp
     shard_group = [j * layout.cp * layout.tp + c * layout.tp for j in range(layout.dp_shard) for c in range(layout.cp)]
@@ -197,6 +197,11 @@ def data_parallel_calls(run, layout: Layout) -> list:
         calls.append(("all_reduce", local / len(shard_group) * reduce_width,
                       [i * stride for i in range(layout.dp_replicate)], each))
     return calls
+
+
+def _width(dtype: str) -> int:
+    """Bytes per element of the dtype named `dtype` ("bfloat16", "float32", ...)."""
+    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
 
 def communication_bound(run, layout: Layout, hw) -> tuple:
