@@ -68,12 +68,13 @@ def main() -> None:
         print(json.dumps(rows[-1], indent=1), flush=True)
         if a.full:
             rows.append(one(name, False, a.jobs))
+            print(json.dumps(rows[-1], indent=1), flush=True)
         if a.weakened:
             rows.append(one(name, True, a.jobs, a.weakened))
+            print(json.dumps(rows[-1], indent=1), flush=True)
         if a.reference:
             rows += [r for r in json.load(open(a.reference))["rows"]
                      if r["search"] == name and (not r["prune"] or r.get("weaken"))]
-        print(json.dumps(rows[-1], indent=1), flush=True)
     table = []
     for name in names:
         pruned = next(r for r in rows if r["search"] == name and r["prune"] and not r.get("weaken"))

@@ -233,9 +233,9 @@ def grouped_swiglu(x, counts, w_gate, w_up, w_down):
 
 class _Permuted(torch.autograd.Function):
     """x.index_select(0, perm) for a permutation `perm` of x's rows, whose backward is the
-    gather by its inverse: a GPU's backward of index_select is a scatter-add, which Inductor
-    runs as an accumulating index_put that sorts its indices (0.43 ms a layer of a 1b-moe
-    step on an H200: benchmarks/results/gpu/run37_moe_whole)."""
+    gather by its inverse instead of index_select's scatter-add (atomics, in no fixed order).
+    No faster on an H200, 0.38 GiB less at a 1b-moe step's peak
+    (benchmarks/results/gpu/run38_moe_gather)."""
 
     @staticmethod
     def forward(ctx, x, perm, inverse):
