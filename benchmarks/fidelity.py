@@ -19,8 +19,9 @@ on threads and the batches from a DataLoader worker: 1b and 350m on one GPU and 
 at dp 1 again, taking the place of the earlier ones; and 1b under each activation
 checkpointing mode at micro-batch 4 and at the largest the plan fits), run28_before_after
 (selective checkpointing at 32) and run30_expandable (the two that ran out of memory in run27,
-with torch's expandable segments)), and run34_moe_fidelity (one H200: 1b-moe and 1b-dsmoe with
-the MoE layer's regions compiled), plans the same model and
+with torch's expandable segments)), run34_moe_fidelity (one H200: 1b-moe and 1b-dsmoe with
+the MoE layer's regions compiled) and run40_moe_fidelity (the same two again, the layer one
+compiled region with one sort: they take the place of run34's; 1b-moe twice), plans the same model and
 layout on that profile (simulator/profiles/h200.json) and prints, per layout: the measured median step (steps after the first) against
 the planned step, and the measured CUDA peak (`torch.cuda.max_memory_allocated`, the
 largest over the ranks) against the planned peak, with the relative error of each; and the
@@ -51,7 +52,7 @@ GPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu")
 MEASURED = [os.path.join(GPU, name) for name in ("run13_kernels", "run14_side_by_side", "run15_fidelity",
                                                   "run16_host", "run19_unfused", "run20_dropout", "run22_zero3_w1", "run26_zero_units",
                                                   "run27_one_gpu", "run28_before_after", "run30_expandable",
-                                                  "run34_moe_fidelity")]
+                                                  "run34_moe_fidelity", "run40_moe_fidelity")]
 # runs of code that has changed since: a plan prices the code as it is, so these are not compared
 SUPERSEDED = {
     "1b_zero3": "ZeRO-3 then kept a bf16 parameter shard and its gradient shards through the forward (4Ψ/N more)",

@@ -9,7 +9,9 @@
 # mode, which warns at each). DIR "-": no earlier tree. A third argument, a comma-separated
 # list, adds: `compile`, one run of each model with --compile (each block's body through
 # torch.compile); `dsmoe`, two rounds of 1b-dsmoe (16 experts of half the width, top-4, one
-# shared) against its dense model of the same active FLOPs (d_ff 5 × 1368 = 6840). Logs and JSON
+# shared) against its dense model of the same active FLOPs (d_ff 5 × 1368 = 6840). With
+# INDUCTOR="NAME=VALUE ...", each round also runs this tree with those TorchInductor options
+# (`ind`: benchmarks/with_inductor.py), profiled too. Logs and JSON
 # in $LOGS, packed into $OUT/gpu_logs.tgz; benchmarks/gpu_runs.py packs them for the
 # repository.
 set -uo pipefail
@@ -25,11 +27,15 @@ side() {  # which (old|moe|dense), name
     old) (cd "$old" && export PYTHONPATH="$old" && run "$2" 1 240 train --model 1b-moe "${flags[@]}" --json "$LOGS/$2.json") ;;
     moe) run "$2" 1 240 train --model 1b-moe "${flags[@]}" --json "$LOGS/$2.json" ;;
     dense) run "$2" 1 240 train --model 1b-moe --model-config n_experts=0,d_ff=5472 "${flags[@]}" --json "$LOGS/$2.json" ;;
+    ind) LAUNCH="$ind" run "$2" 1 300 train --model 1b-moe "${flags[@]}" --json "$LOGS/$2.json" ;;
   esac
 }
 orders=("old moe dense" "dense moe old" "moe old dense")
+ind="benchmarks/with_inductor.py ${INDUCTOR:-} --"
 for r in $(seq 1 "$rounds"); do
-  for which in ${orders[$(( (r - 1) % 3 ))]}; do
+  order=${orders[$(( (r - 1) % 3 ))]}
+  if [ -n "${INDUCTOR:-}" ]; then order=$( (( r % 2 )) && echo "ind $order" || echo "$order ind"); fi
+  for which in $order; do
     [ "$which" = old ] && [ "$old" = - ] && continue
     side "$which" "${which}_$r"
   done
@@ -44,15 +50,16 @@ if [[ ",$extra," == *,compile,* ]]; then
   run dense_compile 1 300 train --model 1b-moe --model-config n_experts=0,d_ff=5472 "${flags[@]}" --compile \
     --json "$LOGS/dense_compile.json"
 fi
-profile() {  # tree, name, playground args...
+profile() {  # tree, name, playground args... (PROFILE_LAUNCH: what runs gpu_profile.py, if set)
   local tree=$1 name=$2; shift 2
-  (cd "$tree" && export PYTHONPATH="$tree" && timeout 240 torchrun --nproc_per_node 1 benchmarks/gpu_profile.py \
+  (cd "$tree" && export PYTHONPATH="$tree" && timeout 240 torchrun --nproc_per_node 1 ${PROFILE_LAUNCH:-} benchmarks/gpu_profile.py \
      --out "$LOGS" --name "$name" --side playground -- train "$@" "${flags[@]}" --backend torch --no-progress \
      2>&1 | grep -v "^W1" > "$LOGS/$name.log")
   echo "== $name: $(grep -i 'per step\|host' "$LOGS/$name.txt" 2>/dev/null | head -3 | tr '\n' ' ')"
   tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .
 }
 profile "$PWD" profile_moe --model 1b-moe
+[ -n "${INDUCTOR:-}" ] && PROFILE_LAUNCH="$ind" profile "$PWD" profile_ind --model 1b-moe
 [ "$old" = - ] || profile "$old" profile_old --model 1b-moe
 [ "$old" = - ] || profile "$PWD" profile_dense --model 1b-moe --model-config n_experts=0,d_ff=5472
 python - > "$LOGS/syncs.log" 2>&1 <<'PY'

@@ -80,6 +80,9 @@ class Routing:
     routed: torch.Tensor  # (E,) assignments per expert before the capacity (f_i's counts)
     dropped: int
     chosen: torch.Tensor | None = None  # (T, k) each token's experts (the sequence-wise counts)
+    # (N,) the assignment a = t·k + j of each row (tokens = a // k); with every one of the T·k
+    # routed, a permutation, which gives `local_experts` its slots without a sort
+    assignments: torch.Tensor | None = None
 
 
 @dataclass
@@ -248,14 +251,19 @@ class _Permuted(torch.autograd.Function):
         return grad.index_select(0, inverse), None, None
 
 
-def token_slots(tokens, k: int) -> tuple:
+def token_slots(tokens, k: int, assignments=None) -> tuple:
     """(slot, at) for rows `tokens` (N,) in which each of the N/k tokens appears k times (all
     of a group's assignments, in any order): slot (N,) the rows of token 0's assignments,
-    then token 1's, ... (a stable sort by token), and at (N,) its inverse, the place of each
-    row among them (row i is assignment at[i] % k of token at[i] // k)."""
+    then token 1's, ..., and at (N,) its inverse, the place of each row among them (row i is
+    assignment at[i] % k of token at[i] // k). Given the rows' `assignments` (a = t·k + j,
+    then a permutation), at is that and slot its inverse, each token's rows in its choices'
+    order; else slot is a stable sort by token, its rows in their order."""
+    def inverse(perm):
+        return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+    if assignments is not None:
+        return inverse(assignments), assignments
     slot = torch.sort(tokens, stable=True).indices
-    at = torch.empty_like(slot).scatter_(0, slot, torch.arange(slot.numel(), device=slot.device))
-    return slot, at
+    return slot, inverse(slot)
 
 
 def gather_rows(x, tokens, k: int, slots=None):
@@ -275,7 +283,7 @@ def combine_rows(rows, tokens, k: int, slots=None):
     return _Permuted.apply(rows, slot, at).reshape(n // k, k, d).sum(dim=1)
 
 
-def local_experts(x, tokens, gates, counts, w_gate, w_up, w_down, k: int):
+def local_experts(x, tokens, gates, counts, w_gate, w_up, w_down, k: int, assignments=None):
     """A token group's routed output (T, d) from experts held here, by grouped GEMMs: the rows
     gathered expert-major, the experts applied, each row weighed by its gate and added to its
     token (what a GPU compiles: `MoE._group`). With all of the group's T·k assignments
@@ -286,7 +294,7 @@ def local_experts(x, tokens, gates, counts, w_gate, w_up, w_down, k: int):
     (a bf16 scatter-add compiles to an accumulating index_put, which sorts the indices)."""
     T = x.shape[0]
     whole = tokens.shape[0] == T * k
-    slots = token_slots(tokens, k) if whole else None
+    slots = token_slots(tokens, k, assignments) if whole else None
     y = grouped_swiglu(gather_rows(x, tokens, k, slots) if whole else x.index_select(0, tokens), counts,
                        w_gate, w_up, w_down)
     wide = torch.promote_types(y.dtype, torch.float32)
@@ -298,16 +306,20 @@ def local_experts(x, tokens, gates, counts, w_gate, w_up, w_down, k: int):
     return out.to(y.dtype)  # (under autocast the experts' dtype, as a dense MLP's)
 
 
-def whole_layer(x, logits, bias, w_gate, w_up, w_down, c, rows: int) -> tuple:
-    """(out, aux, z, routed, dropped): a token group's routing (`static_route`), balancing
-    losses (`balance_losses`, f_i from this group's counts alone) and experts
-    (`local_experts`), one after another: what a GPU compiles as one region when the layer
-    has nothing to exchange with other ranks (`MoE._whole_on_gpu`), the compiled regions'
-    host cost paid once a layer instead of three times."""
-    scores, tokens, gates, counts, routed, dropped, chosen = static_route(logits, bias, c)
+def whole_layer(x, router, bias, w_gate, w_up, w_down, c, rows: int, scale: float) -> tuple:
+    """(out, aux, z, loss, routed, dropped): a token group's router logits (x @ routerᵀ),
+    routing (`static_route`), balancing losses (`balance_losses`, f_i from this group's counts
+    alone; aux and z weighed by `scale`, loss their sum) and experts (`local_experts`), one
+    after another: what a GPU compiles as one region when the layer has nothing to exchange
+    with other ranks (`MoE._whole_on_gpu`), the compiled regions' host cost paid once a layer
+    instead of three times, and the router's and the losses' eager ops none."""
+    logits = F.linear(x, router)
+    scores, tokens, gates, counts, routed, dropped, chosen, assignments = static_route(logits, bias, c)
     f = sequence_counts(chosen, rows, c.n_experts) if c.aux_loss == "sequence" else routed
     aux, z = balance_losses(logits, scores, f, c)
-    return local_experts(x, tokens, gates, counts, w_gate, w_up, w_down, c.top_k), aux, z, routed, dropped
+    aux, z = aux * scale, z * scale
+    out = local_experts(x, tokens, gates, counts, w_gate, w_up, w_down, c.top_k, assignments)
+    return out, aux, z, aux + z, routed, dropped
 
 
 def capacity(c, tokens: int) -> int | None:
@@ -358,16 +370,25 @@ def _ranked(probs, c) -> tuple:
     T, E, k = probs.shape[0], c.n_experts, c.top_k
     top, expert = probs.topk(k, dim=-1)  # (T, k)
     e, p = expert.reshape(-1), top.reshape(-1)
-    # stable sorts, least significant key first: probability (high first; ties keep the
-    # position), then expert and choice together (one integer key, e·k + choice)
-    order = torch.sort(-p, stable=True).indices
-    order = order[torch.sort((e * k + torch.arange(k, device=probs.device).repeat(T))[order], stable=True).indices]
+    key = e * k + torch.arange(k, device=probs.device).repeat(T)  # expert and choice: one integer
+    if p.dtype == torch.float32:  # one stable sort of (key, -p) packed in 64 bits: ties keep the position
+        order = torch.sort(key * 2 ** 32 + _ascending_bits(-p), stable=True).indices
+    else:  # stable sorts, least significant key first: probability (high first), then the key
+        order = torch.sort(-p, stable=True).indices
+        order = order[torch.sort(key[order], stable=True).indices]
     cap = capacity(c, T)
     if cap is None:
         return top, expert, order, None, None
     routed = _count(e, E)
     within = torch.arange(T * k, device=probs.device) - (torch.cumsum(routed, 0) - routed)[e[order]] < cap
     return top, expert, order, routed, within
+
+
+def _ascending_bits(x):
+    """float32 x as int64 keys in [0, 2³²) that sort as x does (IEEE 754's sign-magnitude bits,
+    the negatives' magnitudes reversed; -0 taken as +0, which compares equal to it)."""
+    bits = (x + 0.0).view(torch.int32).to(torch.int64)
+    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) + 2 ** 31
 
 
 def _gates(scores, experts, c):
@@ -407,13 +428,15 @@ def static_routing(scores, selection, c) -> Routing:
     rows' arithmetic for nothing (few, at a capacity factor of 1 or more)."""
     T, k = scores.shape[0], c.top_k
     _, expert, order, routed, within = _ranked(selection, c)
-    order = order[torch.sort(~within, stable=True).indices]  # the kept ones first, in their order
     kept = within.sum()
+    # the kept ones first, then the dropped ones, each in their order (a stable partition)
+    place = torch.where(within, torch.cumsum(within, 0) - 1, kept + torch.cumsum(~within, 0) - 1)
+    order = torch.empty_like(order).scatter_(0, place, order)
     counts = routed.clamp(max=capacity(c, T))
     counts[-1] += T * k - kept  # the dropped rows, weighted 0, at the end of the last expert's range
     mask = torch.arange(T * k, device=scores.device) < kept
     gates = _gates(scores, expert, c).reshape(-1).index_select(0, order)  # (see `routing`)
-    return Routing(order // k, gates * mask, counts, routed, T * k - kept, expert)
+    return Routing(order // k, gates * mask, counts, routed, T * k - kept, expert, order)
 
 
 def routing(scores, decision: Decision, c) -> Routing:
@@ -425,7 +448,7 @@ def routing(scores, decision: Decision, c) -> Routing:
     # an index_select, whose backward is a scatter-add (gates[kept]'s is an accumulating index_put,
     # which sorts the indices: 0.43 ms a layer of a 1b-moe step on an H200)
     return Routing(kept // k, gates.reshape(-1).index_select(0, kept), _count(e[kept], E), _count(e, E),
-                   T * k - kept.numel(), decision.experts)
+                   T * k - kept.numel(), decision.experts, kept)
 
 
 def _count(experts, E: int) -> torch.Tensor:
@@ -463,7 +486,7 @@ def static_route(logits, bias, c) -> tuple:
     scores = router_scores(logits, c)
     selection = selection_scores(scores, bias)
     r = static_routing(scores, selection, c) if c.capacity_factor else routing(scores, choose(selection, c), c)
-    return scores, r.tokens, r.gates, r.counts, r.routed, r.dropped, r.chosen
+    return scores, r.tokens, r.gates, r.counts, r.routed, r.dropped, r.chosen, r.assignments
 
 
 def balance_losses(logits, scores, counts, c) -> tuple:
@@ -489,7 +512,8 @@ def route(logits, c, bias=None) -> tuple:
     decision = choose(selection_scores(scores, bias), c)
     if logits.is_meta:  # a plan: the ops a GPU runs to route (shapes only), with balanced counts
         r, balanced = routing(scores, decision, c), _balanced(scores, logits.shape[0], c)
-        return scores, Routing(r.tokens, r.gates, balanced.counts, balanced.routed, balanced.dropped, r.chosen)
+        return scores, Routing(r.tokens, r.gates, balanced.counts, balanced.routed, balanced.dropped, r.chosen,
+                               r.assignments)
     return scores, routing(scores, decision, c)
 
 
@@ -567,26 +591,33 @@ class MoE(nn.Module):
         """The experts' outputs combined for the group's tokens x (T, d), the shared experts' added."""
         e = self.experts
         if self.dispatch is None and grouped_mm_applies(x, e.w_gate):  # (one compiled region on a GPU)
-            # what it reads and writes in HBM: x and the output; the gathered rows, the three
-            # GEMMs' outputs and the gated product, each written and read; fp32 weights read,
-            # their bf16 copies written and read
-            T, d, rows, f = x.shape[0], x.shape[1], routing.tokens.shape[0], e.w_gate.shape[1]
-            io = 2 * (T * d + 2 * rows * d + 2 * 3 * rows * f + 2 * rows * d) + 8 * 3 * e.w_gate.numel()
+            io = self._experts_io(x.shape[0], routing.tokens.shape[0])
             out = _region("moe_local_experts", io, local_experts, x, routing.tokens, routing.gates, routing.counts,
-                          e.w_gate, e.w_up, e.w_down, self.config.top_k)
+                          e.w_gate, e.w_up, e.w_down, self.config.top_k, routing.assignments)
         else:
             y = self._apply_experts(x.index_select(0, routing.tokens), routing.counts)
             out = x.new_zeros(x.shape, dtype=y.dtype)  # (under autocast the experts' dtype, as a dense MLP's)
             out = out.index_add(0, routing.tokens, y * routing.gates.unsqueeze(-1).to(y.dtype))
         return out if self.shared is None else out + self.shared(x)
 
+    def _experts_io(self, T: int, rows: int) -> int:
+        """What the local experts' region reads and writes in HBM for T tokens routed to `rows`
+        rows: the tokens and the output; the gathered rows, the three GEMMs' outputs and the
+        gated product, each written and read; fp32 weights read, their bf16 copies written and
+        read."""
+        d, f, n = self.config.d_model, self.experts.w_gate.shape[1], self.experts.w_gate.numel()
+        return 2 * (T * d + 2 * rows * d + 2 * 3 * rows * f + 2 * rows * d) + 8 * 3 * n
+
     def _whole_on_gpu(self, flat) -> bool:
         """Whether the layer runs as one compiled region (`whole_layer`): on a GPU where the
         grouped GEMMs apply, with its experts here (no dispatch), its f_i from its own tokens
-        (no statistics or sequence group) and nothing recorded for the check. Elsewhere the
-        same functions run in three regions, each priced as one kernel by the simulator."""
-        return (flat.is_cuda and not self.record and self.dispatch is None and self.stats_group is None
-                and self.sequence_group is None and grouped_mm_applies(flat, self.experts.w_gate))
+        (no statistics or sequence group), its router a plain linear layer (not sequence
+        parallel) and nothing recorded for the check; and so in a plan of such a layer (the
+        meta device), which prices the region as one kernel. Elsewhere the same functions run
+        in three regions, each priced as one kernel by the simulator."""
+        return ((flat.is_cuda or flat.is_meta) and not self.record and self.dispatch is None and self.stats_group is None
+                and self.sequence_group is None and type(self.router) is nn.Linear
+                and grouped_mm_applies(flat, self.experts.w_gate))
 
     def _route(self, logits):
         """route(), keeping the decision when recording (a layout's rank under the check)."""
@@ -639,20 +670,24 @@ class MoE(nn.Module):
         if self.groups is None:  # a layout's rank: its tokens are one group
             b, s, d = x.shape
             flat = x.reshape(b * s, d)
+            if self._whole_on_gpu(flat):
+                e, T = self.experts, flat.shape[0]
+                # what it reads and writes in HBM: the router's weight and its bf16 copy, each
+                # token's k rows of routing (token, gate, order), and the local experts' (above)
+                io = 6 * c.n_experts * c.d_model + 20 * T * c.top_k + self._experts_io(T, T * c.top_k)
+                with fused_kernel(io, "moe_layer"):
+                    out, aux, z, loss, routed, dropped = fused_on(whole_layer, flat)(
+                        flat, self.router.weight, self.expert_bias, e.w_gate, e.w_up, e.w_down, c, b, self.aux_scale)
+                self._add_load(routed)
+                if self.shared is not None:
+                    out = out + self.shared(flat)
+                self._record(aux, z, routed, dropped)
+                return _AddAuxLoss.apply(out.reshape(b, s, d), loss)
             logits = self.router(flat)
             # in static shapes (compiled on a GPU) unless recording, or sending tokens to other
             # ranks with a capacity (the dispatch needs the compact kept rows and their sizes) or
             # in a plan (the dispatch's sizes: balanced counts on the host)
             T, E, k = logits.shape[0], c.n_experts, c.top_k
-            if self._whole_on_gpu(flat):
-                e = self.experts
-                out, aux, z, routed, dropped = compiled(whole_layer)(flat, logits, self.expert_bias, e.w_gate,
-                                                                     e.w_up, e.w_down, c, b)
-                self._add_load(routed)
-                if self.shared is not None:
-                    out = out + self.shared(flat)
-                self._record(aux * self.aux_scale, z * self.aux_scale, routed, dropped)
-                return _AddAuxLoss.apply(out.reshape(b, s, d), (aux + z) * self.aux_scale)
             if not self.record and (self.dispatch is None or not (c.capacity_factor or logits.is_meta)):
                 io = T * E * (logits.element_size() + 4) + T * k * 20 + 4 * E * 8  # logits in; scores, rows out
                 scores, *fields = _region("moe_routing", io, static_route, logits, self.expert_bias, c)
