@@ -7,6 +7,8 @@ in Large Transformer Models"), through `torch.utils.checkpoint` (non-reentrant):
 - "selective": a block keeps its input and the outputs of its matmuls and attention
   kernel (policy.py); backward recomputes the element-wise and normalisation ops from
   them.
+- "selective-op": torchtitan's op-level policy: as "selective", but every second matmul
+  of the block is recomputed too (policy.py).
 
 The transform sets `block.recompute` on each block of a model part (the reference GPT's
 Block runs its body through it), after the tensor, context and expert transforms (whose
@@ -127,18 +129,21 @@ class Recompute:
     the recomputation, so it draws the forward's masks (torch's own RNG saving is off)."""
 
     def __init__(self, mode: str, block):
-        if mode not in ("full", "selective"):
-            raise ValueError(f"activation checkpointing mode must be 'full' or 'selective', not {mode!r}")
+        if mode not in ("full", "selective", "selective-op"):
+            raise ValueError(f"activation checkpointing mode must be 'full', 'selective' or 'selective-op', "
+                             f"not {mode!r}")
         self.block = block
-        self.policy = SelectivePolicy() if mode == "selective" else None
+        self.selective = mode != "full"
+        self.every = 2 if mode == "selective-op" else None  # (torchtitan recomputes every second matmul)
 
     def __call__(self, body, *args):
         if not torch.is_grad_enabled():
             return body(*args)
         # (looked up per call: data parallelism, applied after this transform, marks its units)
         modules = [m for m in self.block.modules() if hasattr(m, "recomputing")]
-        region = _Region(body, modules, self.policy, generators(self.block))
-        context_fn = region.contexts if self.policy is not None else noop_context_fn
+        policy = SelectivePolicy(self.every) if self.selective else None  # (one per call: it counts matmuls)
+        region = _Region(body, modules, policy, generators(self.block))
+        context_fn = region.contexts if policy is not None else noop_context_fn
         return checkpoint(region, *args, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn)
 
 

@@ -6,7 +6,11 @@ the rest. With a fused attention kernel the s² scores are never stored, so what
 is the op-level form torchtitan uses (its `SelectiveAC`, a policy for
 `torch.utils.checkpoint.create_selective_checkpoint_contexts`): keep the outputs of the
 matmuls and of the attention kernel, recompute the element-wise and normalisation ops
-(RMSNorm, RoPE, SiLU and the gate product, residual adds, casts). The router's top-k is
+(RMSNorm, RoPE, SiLU and the gate product, residual adds, casts). torchtitan's own
+op-level policy ("selective op", torchtitan/distributed/activation_checkpoint.py) also
+recomputes every second matmul of a block (counted in each checkpointed call, apart in the
+forward and in the recomputation), less memory for more recomputation: `recompute_every`
+2, the mode "selective-op". The router's top-k is
 kept too, so that recomputation routes every token as the first forward did (a tie
 broken differently would send a token elsewhere). Communication is recomputed, as in
 Megatron-LM's full recompute: a block's collectives run again in its backward.
@@ -35,12 +39,28 @@ KEEP = _packets("mm", "addmm", "bmm", "baddbmm", "_scaled_mm",
 
 
 class SelectivePolicy:
-    """`policy(ctx, func, *args, **kwargs)`: MUST_SAVE for the ops in KEEP, PREFER_RECOMPUTE
-    for everything else."""
+    """`policy(ctx, func, *args, **kwargs)` of one checkpointed call: MUST_SAVE for the ops in
+    KEEP, PREFER_RECOMPUTE for everything else; with `recompute_every` n, also for each n-th
+    matmul (aten.mm, as torchtitan counts them) of the call, counted apart in its forward
+    and in its recomputation, which then decide alike (torch 2.13 replays the forward's
+    decisions in the recomputation; earlier versions ask the policy again)."""
 
-    @staticmethod
-    def saves(func) -> bool:
-        return func._overloadpacket in KEEP
+    def __init__(self, recompute_every: int | None = None):
+        self.every = recompute_every
+        self.matmuls = {False: 0, True: 0}  # matmuls met so far: in the forward, in the recomputation
+        self.last = None  # (func, kept?) of the op decided last
+
+    def saves(self, func) -> bool:
+        """Whether the policy kept the output of `func`, the op it decided last (the memory
+        tracker asks once the op has run)."""
+        if self.last is not None and self.last[0] is func:
+            return self.last[1]
+        return func._overloadpacket in KEEP and not (self.every and func._overloadpacket is aten.mm)
 
     def __call__(self, ctx, func, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if self.saves(func) else CheckpointPolicy.PREFER_RECOMPUTE
+        keep = func._overloadpacket in KEEP
+        if keep and self.every and func._overloadpacket is aten.mm:
+            self.matmuls[ctx.is_recompute] += 1
+            keep = self.matmuls[ctx.is_recompute] % self.every != 0
+        self.last = (func, keep)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE

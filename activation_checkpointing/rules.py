@@ -13,7 +13,7 @@ def problem(ac: str) -> str | None:
 
 
 def run_problem(ac: str, compile: bool) -> str | None:
-    if compile and ac == "selective":
-        return ("--compile with --ac selective: the selective policy intercepts each op of the eager block; use "
+    if compile and ac.startswith("selective"):
+        return (f"--compile with --ac {ac}: the selective policy intercepts each op of the eager block; use "
                 "--ac full with --compile")
     return None

@@ -1,5 +1,5 @@
 """Benchmark: activation memory per transformer layer and step time under activation
-checkpointing (none / selective / full), measured by `playground plan` on meta tensors
+checkpointing (none / selective / selective-op / full), measured by `playground plan` on meta tensors
 (bf16 compute, the saved tensors as autograd and the checkpoint hold them), beside
 
 - this block counted term by term as Korthikanti et al. 2022 count theirs (section 4.1),
@@ -16,8 +16,10 @@ checkpointing (none / selective / full), measured by `playground plan` on meta t
     tensors take 1/t and its output is kept all-gathered (whole, e);
     selective keeps the block input, q, k, v, the attention output and log-sum-exp, the
     gate and up outputs (all /t) and the outputs of wo and w_down (whole: partial sums
-    before their reduction); full keeps the block input only (e, or e/t with sequence
-    parallelism);
+    before their reduction); selective-op (torchtitan's policy: every second matmul of
+    the block recomputed, of wq, wk, wv, wo, w_gate, w_up, w_down in that order) keeps the
+    same but the outputs of wk, wo and w_up; full keeps the block input only (e, or e/t
+    with sequence parallelism);
 - Korthikanti et al.'s own formulas for their GPT layer (fp16, LayerNorm, GeLU MLP of
   4h, dropout, attention scores kept): none sbh(34 + 5as/h) without sequence
   parallelism's split of the norms (10 + 24/t + 5as/(ht)), with it (34 + 5as/h)/t; their
@@ -50,6 +52,9 @@ def this_block(mode: str, c: GPTConfig, t: int, sp: bool) -> float:
     if mode == "selective":
         kept = E * (1 / (t if sp else 1) + (1 + 2 * k + 1 + 2 * f) / t + 2)
         return kept + lse
+    if mode == "selective-op":  # not wk's, wo's and w_up's outputs
+        kept = E * (1 / (t if sp else 1) + (1 + k + 1 + f) / t + 1)
+        return kept + lse
     if sp:  # each norm: its input (the slice), the gathered output (whole)
         norms = 2 * (E / t + E) + rsqrt
     else:  # each norm: its input, the output the next matmuls keep
@@ -58,7 +63,10 @@ def this_block(mode: str, c: GPTConfig, t: int, sp: bool) -> float:
 
 
 def korthikanti(mode: str, c: GPTConfig, t: int, sp: bool) -> float:
-    """Korthikanti et al. 2022, Table 2: bytes per s·b·h of their GPT layer."""
+    """Korthikanti et al. 2022, Table 2: bytes per s·b·h of their GPT layer (None for
+    selective-op, which they do not count)."""
+    if mode == "selective-op":
+        return None
     scores = 5 * c.n_heads * c.seq_len / c.d_model / t
     if mode == "full":
         return 2 / (t if sp else 1)
@@ -95,7 +103,7 @@ def main() -> None:
     rows = []
     for t, sp in ((1, False), (2, False), (2, True)):
         base = None
-        for mode in ("none", "selective", "full"):
+        for mode in ("none", "selective", "selective-op", "full"):
             m = per_layer(mode, c, t, sp, a.micro_batch_size, a.hardware)
             base = base or m
             rows.append({"tp": t, "sp": sp, "ac": mode, **m, "this_block_per_sbh": this_block(mode, c, t, sp),
@@ -107,7 +115,7 @@ def main() -> None:
     print_table(title, ["layout", "ac", "measured MiB", "measured /sbh", "this block /sbh", "Korthikanti /sbh",
                         "of none", "layer step", "of none"],
                 [[f"tp{r['tp']}" + ("+sp" if r["sp"] else ""), r["ac"], f"{r['bytes_per_layer'] / 2**20:.1f}",
-                  f"{r['per_sbh']:.2f}", f"{r['this_block_per_sbh']:.2f}", f"{r['korthikanti_per_sbh']:.2f}",
+                  f"{r['per_sbh']:.2f}", f"{r['this_block_per_sbh']:.2f}", f"{r['korthikanti_per_sbh']:.2f}" if r["korthikanti_per_sbh"] is not None else "-",
                   f"{r['of_none']:.2f}", f"{r['layer_step_s'] * 1e3:.2f} ms", f"{r['time_of_none']:.2f}"]
                  for r in rows])
     write_json(a.json, {"benchmark": "activation_checkpointing", "config": vars(a), "rows": rows})

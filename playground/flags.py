@@ -209,7 +209,8 @@ def _layout_flags(p, verb: str) -> None:
                         "equal causal work) or contiguous (rank r: chunk r)")
     g.add_argument("--ac", default="none", choices=AC_MODES,
                    help="activation checkpointing of every block: full keeps only the block's input, selective also "
-                        "its matmul and attention outputs, and backward recomputes the rest (Megatron "
+                        "its matmul and attention outputs, selective-op those but every second matmul's "
+                        "(torchtitan's selective op policy), and backward recomputes the rest (Megatron "
                         "--recompute-granularity; torchtitan activation_checkpoint.mode)")
     g.add_argument("--seq-len", type=whole(2), help="sequence length (Megatron --seq-length; torchtitan "
                                                     "training.seq_len) (default: the preset's)")

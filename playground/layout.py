@@ -42,7 +42,7 @@ class Layout:
     stage_layers: tuple | None = None  # blocks per pipeline stage (pp·virtual_stages of them); None: even
     cp_impl: str = "ring"  # context parallelism: "ring" attention or "ulysses" all-to-all
     cp_balance: str = "zigzag"  # which sequence chunks a cp rank holds: "zigzag" or "contiguous"
-    ac: str = "none"  # activation checkpointing of every block: "none", "full" or "selective"
+    ac: str = "none"  # activation checkpointing of every block: "none", "full", "selective" or "selective-op"
     # hybrid sharding: dp = dp_replicate × dp_shard; ZeRO shards over dp_shard (× cp) and the
     # shards are replicated dp_replicate times (1: ZeRO over all of dp, or DDP without --zero)
     dp_replicate: int = 1
