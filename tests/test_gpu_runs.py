@@ -47,3 +47,23 @@ def test_every_committed_run_has_its_summary_and_its_files():
     for d in runs:
         assert sorted(os.listdir(os.path.join(gpu, d))) == ["files.tar.xz", "summary.md"], d
         assert gpu_runs.read(os.path.join(gpu, d)), d
+
+
+def test_with_inductor_sets_the_options_and_refuses_an_unknown_one(tmp_path, capsys):
+    """benchmarks/with_inductor.py (the GPU runs' Inductor experiments): each NAME=VALUE is
+    set on torch._inductor.config before the command runs; a name Inductor has not is one
+    line naming it, before anything runs."""
+    import pytest
+    import torch._inductor.config as inductor
+
+    from benchmarks import with_inductor
+    script = tmp_path / "probe.py"
+    script.write_text("import sys, torch._inductor.config as c\nprint('combo', c.combo_kernels, sys.argv[1:])\n")
+    before = inductor.combo_kernels
+    try:
+        assert with_inductor.main(["combo_kernels=True", "--", str(script), "x"]) == 0
+        assert "combo True ['x']" in capsys.readouterr().out
+    finally:
+        inductor.combo_kernels = before
+    with pytest.raises(SystemExit, match="has no option 'no_such_option'"):
+        with_inductor.main(["no_such_option=1", "--", "train"])
