@@ -41,7 +41,9 @@ above with these; override them with a profile file):
 - latencies α: 2 µs per NVLink step and 5 µs per network step, of the order of NCCL's
   own tuning model for its Simple protocol.
 The `h200` profile is not the datasheet's: `playground calibrate` fitted it on 2× H200
-(playground/calibrate.py; its `source` says which run).
+(playground/calibrate.py; its `source` says which run), and it takes the SMs, the matmul
+tiles and the attention table by shape that benchmarks/shapes_gpu.py measured on an H200
+(its `sources`).
 A profile file (TOML or JSON) holds the same keys (`source` optional; `collective_floor`,
 `sm_count`, `matmul_tiles`, `attention_table` and `overlap_slowdown` optional; a `calibration` table, as
 calibrate writes, and a `sources` table citing each number are kept for the record and not
