@@ -83,6 +83,8 @@ def test_profiles_and_files(tmp_path):
     # the calibrated h200 keeps the datasheet's peak and takes the device's memory (torch's total_memory)
     calibrated = load_hardware("h200")
     assert calibrated.peak_bf16_flops == h200.peak_bf16_flops and 139 * 2**30 < calibrated.hbm_capacity < 141 * 2**30
+    # and the shapes measured on an H200: attention by head dimension and sequence, tiles on its 132 SMs
+    assert calibrated.attention_fraction_at(128, 8192) > 1.5 * calibrated.attention_fraction and calibrated.sm_count == 132
     assert load_hardware("a100-80gb").nvlink_bandwidth == 232e9  # NCCL's bus bandwidth on 8 A100s
     custom = {**H100.to_dict(), "name": "mine", "gpus_per_node": 4, "network_bandwidth": 12.5e9,
               "collective_floor": 1e-4}  # (optional: without it a call costs the host one kernel_floor)
