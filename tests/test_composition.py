@@ -41,7 +41,8 @@ def _assert_passed(rep):
     assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
 
 
-@pytest.mark.parametrize("name", list(COMPOSITIONS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("dp3-tp2-zero3", "dp2-tp2-pp2-zero1-sp")
+                                  else n for n in COMPOSITIONS])
 def test_composition_matches_one_device(name):
     rep = check(_run(**COMPOSITIONS[name]))
     _assert_passed(rep)
@@ -100,7 +101,8 @@ SABOTAGE = {
 
 
 @pytest.mark.sabotage
-@pytest.mark.parametrize("name,sabotage", [(n, s) for n, ss in SABOTAGE.items() for s in ss],
+@pytest.mark.parametrize("name,sabotage", [pytest.param(n, s, marks=pytest.mark.slow) if n == "dp2-tp2-pp2-zero1-sp"
+                                            else (n, s) for n, ss in SABOTAGE.items() for s in ss],
                          ids=lambda x: x if isinstance(x, str) else x.__name__.strip("_"))
 def test_sabotaged_composition_fails_the_check(name, sabotage, monkeypatch):
     sabotage(monkeypatch)

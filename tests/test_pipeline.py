@@ -138,8 +138,8 @@ def test_split_backward_does_the_work_of_one_backward():
 @pytest.mark.parametrize("dp,tp,sp,schedule,v,dtype", [
     (2, 2, False, "1f1b", 1, "float64"),
     (1, 2, True, "zb1", 1, "float64"),
-    (1, 2, True, "interleaved", 2, "float32"),
-    (2, 2, True, "gpipe", 1, "float32"),
+    pytest.param(1, 2, True, "interleaved", 2, "float32", marks=pytest.mark.slow),
+    pytest.param(2, 2, True, "gpipe", 1, "float32", marks=pytest.mark.slow),
 ])
 def test_pipeline_with_tensor_and_data_parallelism(dp, tp, sp, schedule, v, dtype):
     """dp × tp × pp on one mesh (the learner's `--dp 2 --tp 2 --pp 2`): stages built from

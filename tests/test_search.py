@@ -38,9 +38,10 @@ def test_the_memory_bound_is_below_the_planned_model_states(axes):
     assert model_states_bound(CFG, layout) <= states <= 1.5 * model_states_bound(CFG, layout)
 
 
-@pytest.mark.parametrize("axes", [dict(dp=4, zero=1), dict(dp=4, zero=3, microbatches=2, ac="selective"),
+@pytest.mark.parametrize("axes", [dict(dp=4, zero=1),
+                                  pytest.param(dict(dp=4, zero=3, microbatches=2, ac="selective"), marks=pytest.mark.slow),
                                   dict(dp=4, tp=2, zero=3, sequence_parallel=True, dp_replicate=2),
-                                  dict(dp=2, pp=2, zero=1, microbatches=3, ac="full"),
+                                  pytest.param(dict(dp=2, pp=2, zero=1, microbatches=3, ac="full"), marks=pytest.mark.slow),
                                   dict(pp=2, zero=1, schedule="interleaved", virtual_stages=2, microbatches=4)])
 def test_the_peak_bound_from_one_block_is_below_the_planned_peak(axes):
     """Before a layout is estimated its peak is bounded by the states held all through a

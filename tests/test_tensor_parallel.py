@@ -27,7 +27,8 @@ def test_tensor_parallel_matches_one_device(tp, sp, dtype):
     assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
 
 
-@pytest.mark.parametrize("dp,tp,sp", [(2, 2, True), (3, 2, False), (2, 4, True)])
+@pytest.mark.parametrize("dp,tp,sp", [(2, 2, True), pytest.param(3, 2, False, marks=pytest.mark.slow),
+                                      pytest.param(2, 4, True, marks=pytest.mark.slow)])
 def test_tensor_parallel_with_ddp_on_one_mesh(dp, tp, sp):
     rep = check(_run(tp, sp, dp=dp))
     assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
