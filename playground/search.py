@@ -181,8 +181,7 @@ def data_parallel_calls(run, layout: Layout) -> list:
     Hybrid sharding adds the all-reduce of each reduced shard across the replicas."""
     cfg = run.model
     wide, reduce_width = _width(run.dtype), _width(run.reduce_dtype or run.dtype)
-    block = (cfg.with_(n_layers=2).n_params() - cfg.with_(n_layers=1).n_params()) / layout.tp
-    local = block * cfg.n_layers // layout.pp
+    local = _block_params(cfg, layout.tp) * cfg.n_layers // layout.pp
     shard_group = [j * layout.cp * layout.tp + c * layout.tp for j in range(layout.dp_shard) for c in range(layout.cp)]
     if len(shard_group) == 1:
         return []
@@ -197,6 +196,12 @@ def data_parallel_calls(run, layout: Layout) -> list:
         calls.append(("all_reduce", local / len(shard_group) * reduce_width,
                       [i * stride for i in range(layout.dp_replicate)], each))
     return calls
+
+
+def _block_params(cfg, tp: int) -> float:
+    """Parameters of one block on a rank of `tp` (at least 1/tp of each block's: the
+    norms stay whole)."""
+    return (cfg.with_(n_layers=2).n_params() - cfg.with_(n_layers=1).n_params()) / tp
 
 
 def _width(dtype: str) -> int:
@@ -238,11 +243,12 @@ def memory_lower_bound(cfg, layout: Layout, block: tuple) -> float:
     experts, whose routing decides what the experts hold."""
     if cfg.n_experts or len(block) < 3:
         return 0.0
-    params = (cfg.with_(n_layers=2).n_params() - cfg.with_(n_layers=1).n_params()) / layout.tp
-    params *= cfg.n_layers // layout.pp
+    params = _block_params(cfg, layout.tp) * (cfg.n_layers // layout.pp)
     shard = layout.dp_shard * layout.cp
-    held = 12 / (shard if layout.zero >= 1 else 1) + (2 if layout.zero < 3 else 0) + (2 if layout.zero < 2 else 0)
-    return params * held + block[2] * (cfg.n_layers // layout.pp)
+    states = model_state_bytes(params, layout.zero, shard, width=4, compute_width=2)
+    if layout.zero >= 2:  # (less the gradient shards, made in the backward)
+        states -= 2 * params / shard
+    return states + block[2] * (cfg.n_layers // layout.pp)
 
 
 def model_states_bound(cfg, layout: Layout) -> float:
