@@ -15,6 +15,11 @@ Accelerating Data Parallel Training", VLDB).
   gradients are already in place.
 - `no_sync()` skips the reduction: gradients accumulate locally, and the next backward
   outside it reduces the accumulated sum.
+- `finish_at_step=True` (under a pipeline): the end of the syncing backward does not wait;
+  `finish_grad_sync()` does, once the pipeline's schedule is done (Megatron-LM's
+  `finish_grad_sync`, Narayanan et al. 2021): a stage that ends a chunk's backward sends
+  the input gradient on at once instead of first waiting for its reduction, which would put
+  the reduction on the path of every stage before it.
 - Parameters that received no gradient in a backward contribute zeros (like
   find_unused_parameters=True), so every rank still joins every bucket's all-reduce.
 """
@@ -62,11 +67,14 @@ class Bucket:
 
 class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, group, bucket_cap_mb: float = 25.0, label: str = "ddp", params=None,
-                 grad_scale: float = 1.0):
+                 grad_scale: float = 1.0, finish_at_step: bool = False):
         """`params`: the parameters this wrapper synchronises (default: all of `module`'s);
-        `grad_scale`: multiplies the averaged gradients (expert parallelism's divisor)."""
+        `grad_scale`: multiplies the averaged gradients (expert parallelism's divisor);
+        `finish_at_step`: the reductions are waited by `finish_grad_sync`, not at the end of
+        the backward that started them."""
         super().__init__()
         self.module = module
+        self.finish_at_step = finish_at_step
         self.group = group
         self.label = label
         self.grad_scale = grad_scale
@@ -121,10 +129,15 @@ class DistributedDataParallel(nn.Module):
         b.work = self.group.all_reduce(b.flat, op=ReduceOp.AVG, async_op=True, label=f"{self.label}.bucket{b.index}")
 
     def _finish(self) -> None:
-        """End of backward: wait for every bucket once."""
-        if not self.ready.require_sync:
-            return
+        """End of backward: wait for every bucket once (or leave that to `finish_grad_sync`)."""
+        if self.ready.require_sync and not self.finish_at_step:
+            self.finish_grad_sync()
+
+    def finish_grad_sync(self) -> None:
+        """Wait for the buckets' reductions in flight (none: nothing to do)."""
         for b in self.buckets:
+            if b.work is None:
+                continue
             b.work.wait()
             b.work = None
             if self.grad_scale != 1.0:

@@ -19,7 +19,9 @@
 With data parallelism each chunk has its data-parallel wrapper (DDP, or ZeRO-1: anything
 with `no_sync()`), and every backward of the step runs under `no_sync` except the chunk's
 last one (its last B, or W): the gradients are reduced across DP once per step, as soon
-as that stage has finished them. In split backward a wrapper can hold only parameters
+as that stage has finished them, and waited for after the schedule's last action
+(`finish_grad_sync`, as Megatron-LM's pipeline schedules do), not before the stage's next
+action. In split backward a wrapper can hold only parameters
 outside linear layers (the experts'), whose gradients all come in the I passes: the
 syncing W then ends their reduction too (`synced()`).
 
@@ -130,7 +132,7 @@ class PipelineExecutor:
                     if a.kind == "B":
                         with self._sync(a.chunk, sync):
                             torch.autograd.backward(out.pop(key), g_out.pop(key, None))
-                    else:  # (every chunk holds a block, so W has linear layers to run)
+                    else:  # (a chunk of the embedding alone defers nothing: its W applies nothing)
                         with self._sync(a.chunk, sync):
                             WeightGradStore.apply(w_pending.pop(key))
                 if a.kind == "B" and s > 0:
@@ -149,6 +151,9 @@ class PipelineExecutor:
                     x_in.pop(key, None)
             else:
                 raise ValueError(f"unknown pipeline action {a}")
+        if self.syncs is not None:  # the reductions each chunk's syncing backward started
+            for syncs in self.syncs:
+                syncs.finish_grad_sync()
         for w in sends:
             w.wait()
         return total

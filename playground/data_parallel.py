@@ -79,10 +79,11 @@ def data_parallel(parts, stages, groups, run, device) -> tuple:
                                           weight_decay=run.weight_decay, compute_dtype=torch_dtype(run.dtype),
                                           reduce_dtype=torch_dtype(run.reduce_dtype) if run.reduce_dtype else None,
                                           label=name, overlap=run.grad_overlap,
-                                          replicate=g.replicate, accumulate=layout.pp > 1))
+                                          replicate=g.replicate, accumulate=layout.pp > 1,
+                                          finish_at_step=layout.pp > 1))
             elif g.group.size > 1 or g.scale != 1:  # (a group of one rank has nothing to average)
                 w.append(DistributedDataParallel(part, g.group, bucket_cap_mb=bucket_mb, label=name, params=params,
-                                                 grad_scale=g.scale))
+                                                 grad_scale=g.scale, finish_at_step=layout.pp > 1))
         wrappers.append(w)
     if zero:
         optimizer = ShardedOptimizer([e for w in wrappers for e in w])
@@ -127,6 +128,11 @@ class Syncs:
 
     def scale_loss(self, loss):
         return self.wrappers[0].scale_loss(loss) if self.wrappers else loss
+
+    def finish_grad_sync(self) -> None:
+        """Wait for the reductions the step's syncing backwards left in flight (a pipeline's)."""
+        for w in self.wrappers:
+            w.finish_grad_sync()
 
 
 

@@ -149,3 +149,21 @@ def test_a_peak_fits_when_it_leaves_the_allocator_headroom_free():
     p = subprocess.run([sys.executable, "-m", "playground", "plan", "--model", "tiny", "--hardware", "h100-sxm",
                         "--memory-headroom", "1"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "--memory-headroom 1: must be a finite number at least 0 and below 1" in p.stderr
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_a_stage_sends_its_input_gradient_on_before_its_reduction_ends(zero, tmp_path):
+    # Megatron-LM's pipeline schedules wait for the data-parallel reductions after the
+    # schedule (finish_grad_sync), not at the end of each chunk's last backward: the last
+    # stage's reduction runs beside the first stage's last backward instead of before it.
+    # On a slow network (every GPU its own node), the first stage's pipeline bubble is then
+    # the same with data parallelism as without it, while the reductions take long.
+    hw = tmp_path / "slow-network.json"
+    hw.write_text(json.dumps({**load_hardware("h100-sxm").to_dict(), "gpus_per_node": 1, "network_bandwidth": 2e8}))
+    plans = [plan(RunConfig(model=preset("small", n_layers=4), dtype="bfloat16",
+                            layout=Layout(dp=dp, pp=2, zero=zero, microbatches=4, micro_batch_size=1),
+                            hardware=str(hw), progress=False)) for dp in (1, 2)]
+    (first, last), (first_dp, last_dp) = ((p.values[0]["step"], p.values[-1]["step"]) for p in plans)
+    reduction = last_dp["exposed_comm"] - last["exposed_comm"]
+    assert reduction > 2 * first["bubble"] > 0  # (the reductions are what would show)
+    assert first_dp["bubble"] == pytest.approx(first["bubble"], rel=0.05)

@@ -55,6 +55,12 @@ the order the units finished, instead of as each is ready (Megatron-LM's data pa
 of Narayanan et al. 2021 all-reduced its gradient buffer after the pipeline's
 forward-backward; `RunConfig.grad_overlap`).
 
+`finish_at_step=True` (under a pipeline): the end of the syncing backward starts what it
+must and waits for nothing; `finish_grad_sync()` waits, once the pipeline's schedule is done
+(Megatron-LM's `finish_grad_sync`, Narayanan et al. 2021), so a stage sends its input
+gradient on without first waiting for its own reduction. Without overlap the reductions
+then start there too: after the pipeline's forward-backward, as Megatron-LM's of 2021.
+
 Under `no_sync()` stages 0 and 1 accumulate gradients locally and reduce at the next
 backward outside it; stages 2 and 3 reduce every microbatch (their point is not to hold
 a full gradient), so gradient accumulation costs them one gradient reduction per
@@ -106,8 +112,9 @@ class ZeroDataParallel(nn.Module):
                  lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, compute_dtype=None, reduce_dtype=None,
                  loss_scaler: DynamicLossScaler | None = None, label: str = "zero",
-                 overlap: bool = True, replicate=None, accumulate: bool = False):
+                 overlap: bool = True, replicate=None, accumulate: bool = False, finish_at_step: bool = False):
         super().__init__()
+        self.finish_at_step = finish_at_step  # the reductions are waited by finish_grad_sync
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         if not overlap and stage >= 2:
@@ -352,6 +359,12 @@ class ZeroDataParallel(nn.Module):
         u.reduce = None
 
     def _end_of_backward(self) -> None:
+        if not self.finish_at_step:
+            self.finish_grad_sync()
+
+    def finish_grad_sync(self) -> None:
+        """Start the reductions left for the end (without overlap) and wait for every one in
+        flight; at stage 3 outside a pipeline, free the gathered units."""
         for u in self._deferred:
             self._reduce(u)
         self._deferred = []
