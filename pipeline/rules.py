@@ -13,9 +13,12 @@ def problem(config, pp: int, schedule: str, microbatches: int, virtual_stages: i
             stage_layers=None) -> str | None:
     c, stages = config, pp * virtual_stages
     if stage_layers is not None:
-        if len(stage_layers) != stages or sum(stage_layers) != c.n_layers or min(stage_layers) < 1:
-            return (f"stage_layers={list(stage_layers)}: give {stages} positive block counts (pp·virtual_stages) "
-                    f"summing to n_layers={c.n_layers}")
+        inner = list(stage_layers)[1:-1]
+        if len(stage_layers) != stages or sum(stage_layers) != c.n_layers or min(stage_layers) < 0 or \
+                (inner and min(inner) < 1):
+            return (f"stage_layers={list(stage_layers)}: give {stages} block counts (pp·virtual_stages) summing to "
+                    f"n_layers={c.n_layers}, each positive but the first and the last (which may hold only the "
+                    f"embedding, or only the head and the loss)")
     elif c.n_layers % stages:
         return (f"n_layers={c.n_layers} is not divisible by pp·virtual_stages = {pp}·{virtual_stages} = {stages}; "
                 f"stage counts that fit: {divisors(c.n_layers)}")

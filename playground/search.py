@@ -318,7 +318,9 @@ def estimate(run) -> Estimate:
     v = layout.virtual_stages
     k, m = cfg.n_layers // (layout.pp * v), layout.microbatches
     ps, ks, ms = points(layout, cfg.n_layers, load_hardware(run.hardware).gpus_per_node)
-    if ks == (k,) and ms == (m,) and ps == (layout.pp,):  # small enough to plan as it is
+    # small enough to plan as it is, or stages of the blocks given one by one (no shallower
+    # model holds them)
+    if (ks == (k,) and ms == (m,) and ps == (layout.pp,)) or layout.stage_layers is not None:
         return Estimate.planned(plan(run), 1)
     # per pipeline stage, its largest peak over the stage's ranks (across depths: the first and the last)
     step, peaks = 0.0, [0.0] * (2 if len(ps) > 1 else layout.pp)

@@ -55,6 +55,16 @@ def test_uneven_stages_from_a_list():
     assert rep.passed
 
 
+@pytest.mark.parametrize("schedule,v,sizes,dp,zero", [("1f1b", 1, (0, 3), 1, 0), ("zb1", 1, (3, 0), 2, 0),
+                                                      ("interleaved", 2, (0, 2, 1, 0), 2, 1)])
+def test_a_stage_may_hold_only_the_embedding_or_only_the_head(schedule, v, sizes, dp, zero):
+    # Llama 3's balanced pipeline (Dubey et al. 2024, section 3.3.2): a layer fewer on the
+    # first and the last stage, whose first and last chunk hold only the embedding and only
+    # the head and the loss
+    rep = check(_run(2, 4, schedule, v, dp=dp, n_layers=3, stage_layers=sizes, zero=zero))
+    assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
+
+
 @pytest.mark.sabotage
 def test_the_check_catches_gradients_received_in_the_wrong_order(monkeypatch):
     """Rank 0 runs its backwards in reverse: it pairs each microbatch with another's
