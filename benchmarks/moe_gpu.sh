@@ -7,8 +7,8 @@
 # a torch profile of each (benchmarks/gpu_profile.py: host and device time per steady step)
 # and the host syncs of one MoE layer's forward and backward on this tree (CUDA's sync debug
 # mode, which warns at each). DIR "-": no earlier tree. A third argument, a comma-separated
-# list, adds: `compile`, one run of each model with --compile (each block's body through
-# torch.compile); `dsmoe`, two rounds of 1b-dsmoe (16 experts of half the width, top-4, one
+# list, adds: `compile`, COMPILE_ROUNDS (default 1) alternated rounds of each model with
+# --compile (each block's body through torch.compile), and a profile of each; `dsmoe`, two rounds of 1b-dsmoe (16 experts of half the width, top-4, one
 # shared) against its dense model of the same active FLOPs (d_ff 5 × 1368 = 6840). With
 # INDUCTOR="NAME=VALUE ...", each round also runs this tree with those TorchInductor options
 # (`ind`: benchmarks/with_inductor.py), profiled too. Logs and JSON
@@ -46,9 +46,16 @@ if [[ ",$extra," == *,dsmoe,* ]]; then
   done
 fi
 if [[ ",$extra," == *,compile,* ]]; then
-  run moe_compile 1 300 train --model 1b-moe "${flags[@]}" --compile --json "$LOGS/moe_compile.json"
-  run dense_compile 1 300 train --model 1b-moe --model-config n_experts=0,d_ff=5472 "${flags[@]}" --compile \
-    --json "$LOGS/dense_compile.json"
+  for r in $(seq 1 "${COMPILE_ROUNDS:-1}"); do
+    order=$( (( r % 2 )) && echo "moe dense" || echo "dense moe")
+    for which in $order; do
+      case $which in
+        moe) run "moe_compile_$r" 1 300 train --model 1b-moe "${flags[@]}" --compile --json "$LOGS/moe_compile_$r.json" ;;
+        dense) run "dense_compile_$r" 1 300 train --model 1b-moe --model-config n_experts=0,d_ff=5472 "${flags[@]}" \
+                 --compile --json "$LOGS/dense_compile_$r.json" ;;
+      esac
+    done
+  done
 fi
 profile() {  # tree, name, playground args... (PROFILE_LAUNCH: what runs gpu_profile.py, if set)
   local tree=$1 name=$2; shift 2
@@ -59,6 +66,10 @@ profile() {  # tree, name, playground args... (PROFILE_LAUNCH: what runs gpu_pro
   tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .
 }
 profile "$PWD" profile_moe --model 1b-moe
+if [[ ",$extra," == *,compile,* ]]; then
+  profile "$PWD" profile_moe_compile --model 1b-moe --compile
+  profile "$PWD" profile_dense_compile --model 1b-moe --model-config n_experts=0,d_ff=5472 --compile
+fi
 [ -n "${INDUCTOR:-}" ] && PROFILE_LAUNCH="$ind" profile "$PWD" profile_ind --model 1b-moe
 [ "$old" = - ] || profile "$old" profile_old --model 1b-moe
 [ "$old" = - ] || profile "$PWD" profile_dense --model 1b-moe --model-config n_experts=0,d_ff=5472

@@ -17,5 +17,6 @@ def compiled(fn):
 
 
 def fused_on(fn, t):
-    """`fn` as it runs on `t`'s device: compiled on CUDA, op by op elsewhere."""
-    return compiled(fn) if t.is_cuda else fn
+    """`fn` as it runs on `t`'s device: compiled on CUDA, op by op elsewhere; as it is inside
+    code torch.compile traces already (`--compile`: traced into the caller's graph)."""
+    return compiled(fn) if t.is_cuda and not torch.compiler.is_compiling() else fn

@@ -15,7 +15,16 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+
+def _modes() -> list:
+    """The rank's dispatch modes, innermost first; none inside code torch.compile traces (no
+    simulator mode runs with it, and reading the mode stack would break its graph there)."""
+    if torch.compiler.is_compiling():
+        return []
+    return list(reversed(_get_current_dispatch_mode_stack()))
 
 
 @contextlib.contextmanager
@@ -26,7 +35,7 @@ def fused_kernel(io_bytes: int, name: str, attention: bool = False):
     simulator/memory.py); else nothing. `attention`: a FlashAttention call (ring attention's
     blocks), priced at the attention rate whatever dtype its matmuls are written in."""
     with contextlib.ExitStack() as stack:
-        for mode in reversed(_get_current_dispatch_mode_stack()):
+        for mode in _modes():
             if hasattr(mode, "fused"):
                 stack.enter_context(mode.fused(io_bytes, name, attention=attention))
         yield
@@ -37,7 +46,7 @@ def optimizer_kernel(optimizer):
     """`optimizer.step()` inside as the one fused kernel a GPU runs for it (torch's fused
     AdamW: each mode with `optimizer_step`, the compute model); else nothing."""
     with contextlib.ExitStack() as stack:
-        for mode in reversed(_get_current_dispatch_mode_stack()):
+        for mode in _modes():
             if hasattr(mode, "optimizer_step"):
                 stack.enter_context(mode.optimizer_step(optimizer))
         yield
@@ -47,7 +56,7 @@ def activation_tracker():
     """The memory tracker counting this rank's activations now (its mode on the stack, while
     `MemoryTracker.track_activations` is on), or None: what activation checkpointing tells of
     the outputs its selective policy keeps outside autograd."""
-    for mode in reversed(_get_current_dispatch_mode_stack()):
+    for mode in _modes():
         tracker = getattr(mode, "activation_tracker", None)
         if tracker is not None:
             return tracker
@@ -60,7 +69,7 @@ def pipeline_action(kind: str, chunks: int = 1):
     rank): where a mode charges actions fixed costs (the compute model with `unit_costs`, the
     bubble measurement), the ops inside are not counted and the action's cost is charged."""
     with contextlib.ExitStack() as stack:
-        for mode in reversed(_get_current_dispatch_mode_stack()):
+        for mode in _modes():
             if getattr(mode, "unit_costs", None) is not None:
                 stack.enter_context(mode.pipeline_action(kind, chunks))
                 break

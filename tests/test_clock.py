@@ -499,3 +499,21 @@ def test_attention_runs_at_the_measured_fraction_for_its_shape(tmp_path):
     got = launch(_sdpa, 1, args=((1, 8, 2048, 128),), time_model=SimulatedTime(hw)).values[0]
     flops = 4 * 8 * 2048 * 2048 * 128 * (2048 + 1) // (2 * 2048)
     assert got == pytest.approx(hw.kernel_floor + flops / (hw.peak_bf16_flops * 0.4), rel=1e-6)
+
+
+def test_marked_regions_do_not_break_a_graph_torch_compile_traces():
+    """`--compile` traces each block whole: the regions marked for the simulator (one fused
+    kernel, the optimizer's, a pipeline action) read no mode stack there, where reading it
+    splits the block into several graphs (each one's host cost paid per call)."""
+    import torch._dynamo
+    from model.compiled import fused_on
+    from model.regions import fused_kernel, optimizer_kernel, pipeline_action
+
+    def marked(x):
+        with fused_kernel(64, "moe_layer"), pipeline_action("F"), optimizer_kernel(None):
+            y = fused_on(torch.sin, x)(x)  # (as it is inside the caller's graph)
+        return y * 2 + 1
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(marked)(torch.randn(8))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
