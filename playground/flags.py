@@ -232,7 +232,8 @@ def _layout_flags(p, verb: str) -> None:
                         "--num-virtual-stages-per-pipeline-rank)")
     g.add_argument("--stage-layers", metavar="N,N,...",
                    help="with --pp: blocks per pipeline stage, comma-separated, e.g. 1,3 (Megatron "
-                        "--decoder-first/last-pipeline-num-layers) (default: even)")
+                        "--decoder-first/last-pipeline-num-layers); the first and last may be 0, a stage of "
+                        "the embedding or the head alone (default: even)")
     m = p.add_argument_group("mixture of experts (the -moe presets, or --experts on any preset)")
     m.add_argument("--experts", type=whole(0), help="experts per MoE block, 0 for none (Megatron --num-experts) "
                                                     "(default: the preset's)")

@@ -11,6 +11,8 @@ module states what it needs.
 """
 from __future__ import annotations
 
+import itertools
+
 import math
 from dataclasses import asdict, dataclass
 
@@ -91,6 +93,9 @@ class Layout:
         if self.pp > 1:
             extra.append(f"schedule {self.schedule}" + (f" with {self.virtual_stages} chunks per rank"
                                                         if self.virtual_stages > 1 else ""))
+        if self.stage_layers is not None:
+            runs = [[n, len(list(g))] for n, g in itertools.groupby(self.stage_layers)]
+            extra.append("blocks per stage " + ", ".join(f"{n}×{k}" if k > 1 else f"{n}" for n, k in runs))
         if self.microbatches > 1:
             extra.append(f"{self.microbatches} microbatches")
         if self.ac != "none":
