@@ -114,9 +114,11 @@ def bloom() -> PublishedRun:
         150e12 / megatron_flops_per_token(cfg.with_(n_layers=70), 70, True), "150 TFLOP/s per GPU (Megatron's count)",
         "micro-batch 2, ZeRO-1, full recomputation, 1F1B, unfused attention without dropout (Megatron-DeepSpeed of "
         "2022); 72 layers planned, 6 per stage: Megatron-DeepSpeed's partition of 70 puts 6 on the slowest stages. "
-        "The model card's 60 GB is the memory used on each GPU, the allocator's cache and the CUDA context "
-        "included; the plan's is the peak of what is allocated",
-        memory_gb=60.0, memory_what="used per GPU (model card)", run={"grad_overlap": False})
+        "Gradients reduced in float32 after the pipeline's schedule: DeepSpeed's bf16 optimizer, written for this "
+        "run, accumulates and reduces them in fp32 (microsoft/DeepSpeed pull request 1801, \"bf16+pipeline "
+        "parallelism\": \"fp32 reduction\"). The model card's 60 GB is the memory used on each GPU, the allocator's "
+        "cache and the CUDA context included; the plan's is the peak of what is allocated",
+        memory_gb=60.0, memory_what="used per GPU (model card)", run={"grad_overlap": False, "reduce_dtype": "float32"})
 
 
 # -- Llama 3 (Dubey et al. 2024), Table 4 (H100 SXM, 400 Gb/s per GPU) -------------------------
