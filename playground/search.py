@@ -318,17 +318,17 @@ def estimate(run) -> Estimate:
     v = layout.virtual_stages
     k, m = cfg.n_layers // (layout.pp * v), layout.microbatches
     ps, ks, ms = points(layout, cfg.n_layers, load_hardware(run.hardware).gpus_per_node)
-    # small enough to plan as it is, or stages of the blocks given one by one (no shallower
-    # model holds them)
-    if (ks == (k,) and ms == (m,) and ps == (layout.pp,)) or layout.stage_layers is not None:
+    if layout.stage_layers is not None:  # stages of blocks given one by one: only m is extrapolated
+        ps, ks = (layout.pp,), (k,)
+    if ks == (k,) and ms == (m,) and ps == (layout.pp,):  # small enough to plan as it is
         return Estimate.planned(plan(run), 1)
     # per pipeline stage, its largest peak over the stage's ranks (across depths: the first and the last)
     step, peaks = 0.0, [0.0] * (2 if len(ps) > 1 else layout.pp)
     for pp, wp in zip(ps, _weights(ps, layout.pp)):
         for kk, wk in zip(ks, _weights(ks, k)):
             for mm, wm in zip(ms, _weights(ms, m)):
-                p = plan(replace(run, model=cfg.with_(n_layers=pp * v * kk),
-                                 layout=replace(layout, pp=pp, microbatches=mm)))
+                model = cfg if layout.stage_layers is not None else cfg.with_(n_layers=pp * v * kk)
+                p = plan(replace(run, model=model, layout=replace(layout, pp=pp, microbatches=mm)))
                 w = wp * wk * wm
                 step += w * p.step_s
                 stages = _stage_peaks(p, pp)
