@@ -284,7 +284,7 @@ def _weights(points: tuple, x: int) -> list:
     return [(b - x) / (b - a), (x - a) / (b - a)]
 
 
-def points(layout, n_layers: int, gpus_per_node: int) -> tuple:
+def points(layout, n_layers: int, gpus_per_node: int, own_depth: bool = False) -> tuple:
     """(stages, blocks per chunk, microbatches): the values of p, k and m a layout is
     planned at for its estimate (module docstring), each one or two points.
 
@@ -294,13 +294,14 @@ def points(layout, n_layers: int, gpus_per_node: int) -> tuple:
     without a pipeline, 2 under ZeRO-2/3, whose gradient shards, made by the first
     microbatch's backward, are held through the later forwards; the largest p, interleaved
     twice that), the next count the schedule allows at every p (interleaved: a multiple of
-    each p)."""
+    each p). `own_depth`: p is the layout's own (stages of uneven blocks, which no other
+    depth holds)."""
     p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
     k = n_layers // (p * v)
     k0 = 3 if layout.zero >= 3 else 1
     ks = (k0, k0 + 1) if k > k0 + 1 else (k,)
     busy = m >= (2 * p if v > 1 else p)
-    deep = p > 3 and busy and (layout.dp * layout.cp * layout.tp) % gpus_per_node == 0
+    deep = p > 3 and busy and (layout.dp * layout.cp * layout.tp) % gpus_per_node == 0 and not own_depth
     for ps in ([(2, 3)] if deep else []) + [(p,)]:
         step = math.lcm(*ps) if v > 1 else 1
         m0 = (2 if layout.zero >= 2 else 1) if p == 1 else 2 * max(ps) if v > 1 else max(ps)
@@ -317,9 +318,10 @@ def estimate(run) -> Estimate:
     cfg, layout = run.model, run.layout
     v = layout.virtual_stages
     k, m = cfg.n_layers // (layout.pp * v), layout.microbatches
-    ps, ks, ms = points(layout, cfg.n_layers, load_hardware(run.hardware).gpus_per_node)
-    if layout.stage_layers is not None:  # stages of blocks given one by one: only m is extrapolated
-        ps, ks = (layout.pp,), (k,)
+    uneven = layout.stage_layers is not None  # stages of blocks given one by one: only m is extrapolated
+    ps, ks, ms = points(layout, cfg.n_layers, load_hardware(run.hardware).gpus_per_node, own_depth=uneven)
+    if uneven:
+        ks = (k,)
     if ks == (k,) and ms == (m,) and ps == (layout.pp,):  # small enough to plan as it is
         return Estimate.planned(plan(run), 1)
     # per pipeline stage, its largest peak over the stage's ranks (across depths: the first and the last)
@@ -327,7 +329,7 @@ def estimate(run) -> Estimate:
     for pp, wp in zip(ps, _weights(ps, layout.pp)):
         for kk, wk in zip(ks, _weights(ks, k)):
             for mm, wm in zip(ms, _weights(ms, m)):
-                model = cfg if layout.stage_layers is not None else cfg.with_(n_layers=pp * v * kk)
+                model = cfg if uneven else cfg.with_(n_layers=pp * v * kk)
                 p = plan(replace(run, model=model, layout=replace(layout, pp=pp, microbatches=mm)))
                 w = wp * wk * wm
                 step += w * p.step_s

@@ -126,7 +126,9 @@ def test_search_ranks_what_fits_and_says_why_the_rest_did_not(tmp_path):
                                   dict(dp=8, pp=4, virtual_stages=2, schedule="interleaved", zero=1, microbatches=16),
                                   dict(dp=2, pp=2, zero=1, microbatches=12, stage_layers=(3, 5)),
                                   dict(pp=2, virtual_stages=2, schedule="interleaved", zero=1, microbatches=12,
-                                       stage_layers=(0, 4, 3, 1))])
+                                       stage_layers=(0, 4, 3, 1)),
+                                  dict(dp=8, pp=4, zero=1, microbatches=8, micro_batch_size=4, vocab_size=512,
+                                       stage_layers=(1, 3, 3, 1))])
 @pytest.mark.slow
 def test_an_estimate_from_shallow_plans_equals_the_full_plan(axes):
     """Blocks are identical and microbatches repeat: a layout's step and peak, extrapolated
@@ -140,8 +142,8 @@ def test_an_estimate_from_shallow_plans_equals_the_full_plan(axes):
     cfg = preset("tiny", n_layers=8, vocab_size=axes.pop("vocab_size", preset("tiny").vocab_size))
     run = RunConfig(model=cfg, layout=Layout(**{"micro_batch_size": 1, **axes}), dtype="bfloat16",
                     hardware="h100-sxm", progress=False)
-    ps, _, _ = points(run.layout, cfg.n_layers, 8)
-    assert (ps == (2, 3)) == (run.layout.pp == 4)
+    ps, _, _ = points(run.layout, cfg.n_layers, 8, own_depth=run.layout.stage_layers is not None)
+    assert (ps == (2, 3)) == (run.layout.pp == 4 and run.layout.stage_layers is None)
     e, p = estimate(run), plan(run)
     assert not e.exact and e.plans in (2, 4)
     assert e.step_s == pytest.approx(p.step_s, rel=1e-3)
