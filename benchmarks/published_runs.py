@@ -107,13 +107,18 @@ def bloom() -> PublishedRun:
     2048, global batch 2048 (Le Scao et al. 2022, BLOOM, section 3.4 and Table 3); 384 A100
     80GB, TP 4 × PP 12 × DP 8, about 150 TFLOP/s per GPU and 60 GB used per GPU (BigScience
     176B model card, "the engineering side")."""
-    cfg = gelu_gpt(250880, 14336, 112, 72, 2048, attention="unfused")
+    cfg = gelu_gpt(250880, 14336, 112, 70, 2048, attention="unfused")
     return PublishedRun(
         "BLOOM 2022", "Le Scao et al. 2022 (BLOOM), section 3.4; BigScience 176B model card", "176B", "a100-80gb", cfg,
-        Layout(dp=8, tp=4, pp=12, zero=1, micro_batch_size=2, microbatches=128, ac="full"),
-        150e12 / megatron_flops_per_token(cfg.with_(n_layers=70), 70, True), "150 TFLOP/s per GPU (Megatron's count)",
+        Layout(dp=8, tp=4, pp=12, zero=1, micro_batch_size=2, microbatches=128, ac="full",
+               stage_layers=(5,) + (6,) * 10 + (5,)),
+        150e12 / megatron_flops_per_token(cfg, 70, True), "150 TFLOP/s per GPU (Megatron's count)",
         "micro-batch 2, ZeRO-1, full recomputation, 1F1B, unfused attention without dropout (Megatron-DeepSpeed of "
-        "2022); 72 layers planned, 6 per stage: Megatron-DeepSpeed's partition of 70 puts 6 on the slowest stages. "
+        "2022); the 70 layers split as the run's script splits them (bigscience-workshop/bigscience, "
+        "train/tr11-176B-ml/tr11-176B-ml.slurm: --pp-partition-method 'type:transformer|embedding', each embedding "
+        "counted as a layer): 5 on the first and the last stage, 6 on the others. The script also sets "
+        "CUDA_LAUNCH_BLOCKING=1 (\"or the training will hang\"), which makes every launch wait for its kernel: not "
+        "modelled. "
         "Gradients reduced in float32 after the pipeline's schedule: DeepSpeed's bf16 optimizer, written for this "
         "run, accumulates and reduces them in fp32 (microsoft/DeepSpeed pull request 1801, \"bf16+pipeline "
         "parallelism\": \"fp32 reduction\"). The model card's 60 GB is the memory used on each GPU, the allocator's "
