@@ -4,12 +4,16 @@ still being imported (cli.main handles it from then on, ranks included)."""
 import os
 import sys
 
+from playground.interrupts import by_interrupt
+
 
 def main() -> int:
     try:
         from .cli import main as command
         return command()
-    except KeyboardInterrupt:  # (before cli.main took over: importing it, or torch inside it)
+    except BaseException as e:  # (before cli.main took over: importing it, or torch inside it)
+        if isinstance(e, SystemExit) or not by_interrupt(e):
+            raise
         sys.stderr.write("\nplayground: interrupted\n")
         sys.stderr.flush()
         os._exit(130)  # no teardown: a module interrupted mid-import may not unload cleanly

@@ -18,6 +18,7 @@ import sys
 import threading
 
 from .flags import given, parse
+from .interrupts import by_interrupt
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
@@ -81,6 +82,20 @@ def _is_rank0(backend: str) -> bool:
     return backend != "torch" or int(os.environ.get("RANK", "0")) == 0
 
 
+def _interrupted(verb: str) -> int:
+    """Ctrl-C: one line and status 130."""
+    print(f"\n{verb}: interrupted", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if any(m == "torch" or m.startswith("torch.") for m in sys.modules) or any(
+            t.name.startswith("sim-rank-") and t.is_alive() for t in threading.enumerate()):
+        # simulated ranks may be inside torch ops, or torch half imported (a failed import
+        # leaves its submodules behind, not "torch"): leave at once, without the
+        # interpreter's teardown (which would wait on them, or die in torch's)
+        os._exit(130)
+    return 130
+
+
 def main(argv=None) -> int:
     verb, code = "playground", 1
     try:
@@ -90,6 +105,8 @@ def main(argv=None) -> int:
         code = _main(args, given(argv))
         return code
     except Exception as e:  # noqa: BLE001
+        if by_interrupt(e):  # (Ctrl-C while a class was being defined: playground/interrupts.py)
+            return _interrupted(verb)
         dist = sys.modules.get("torch.distributed")
         if dist is None or not dist.is_available() or not dist.is_initialized():
             raise  # (a bug: its traceback)
@@ -99,16 +116,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"\n{verb}: interrupted", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if any(m == "torch" or m.startswith("torch.") for m in sys.modules) or any(
-                t.name.startswith("sim-rank-") and t.is_alive() for t in threading.enumerate()):
-            # simulated ranks may be inside torch ops, or torch half imported (a failed import
-            # leaves its submodules behind, not "torch"): leave at once, without the
-            # interpreter's teardown (which would wait on them, or die in torch's)
-            os._exit(130)
-        return 130
+        return _interrupted(verb)
     finally:
         dist = sys.modules.get("torch.distributed")
         if dist is not None and getattr(dist, "is_initialized", None) and dist.is_available() and dist.is_initialized():

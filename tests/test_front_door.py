@@ -121,6 +121,24 @@ def test_ctrl_c_stops_a_simulated_run_with_one_line_and_status_130(after):
     assert err.strip() in ("playground train: interrupted", "playground: interrupted"), err
 
 
+def test_ctrl_c_inside_a_class_definition_is_an_interrupt_too(monkeypatch, capsys):
+    """Ctrl-C while a module defines a dataclass reaches the command as the RuntimeError
+    "Error calling __set_name__ ...", raised from the KeyboardInterrupt (it landed there once,
+    1.4 s into a run, importing playground/parallelize.py): one line and 130 all the same."""
+    import playground.cli as cli
+
+    def interrupted_import(args, given):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as k:
+            raise RuntimeError("Error calling __set_name__ on 'Field' instance 'loss_terms'") from k
+
+    monkeypatch.setattr(cli, "_main", interrupted_import)
+    monkeypatch.setattr(cli.os, "_exit", lambda code: None)  # (torch is imported in this process)
+    assert cli.main(["train", "--world", "2"]) == 130
+    assert capsys.readouterr().err.strip() == "playground train: interrupted"
+
+
 def _children(pid):
     out = []
     for d in os.listdir("/proc"):
