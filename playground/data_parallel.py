@@ -135,7 +135,6 @@ class Syncs:
             w.finish_grad_sync()
 
 
-
 # -- what the optimizer holds --------------------------------------------------------------------
 class ReplicatedAdamW:
     """torch's AdamW on the local parameters (whole, or tensor-parallel slices) of every

@@ -284,7 +284,7 @@ def _weights(points: tuple, x: int) -> list:
     return [(b - x) / (b - a), (x - a) / (b - a)]
 
 
-def points(layout, n_layers: int, gpus_per_node: int, own_depth: bool = False) -> tuple:
+def points(layout, n_layers: int, gpus_per_node: int, uneven: bool = False) -> tuple:
     """(stages, blocks per chunk, microbatches): the values of p, k and m a layout is
     planned at for its estimate (module docstring), each one or two points.
 
@@ -294,14 +294,14 @@ def points(layout, n_layers: int, gpus_per_node: int, own_depth: bool = False) -
     without a pipeline, 2 under ZeRO-2/3, whose gradient shards, made by the first
     microbatch's backward, are held through the later forwards; the largest p, interleaved
     twice that), the next count the schedule allows at every p (interleaved: a multiple of
-    each p). `own_depth`: p is the layout's own (stages of uneven blocks, which no other
-    depth holds)."""
+    each p). `uneven`: stages of blocks given one by one, which no other depth or block
+    count holds: p and k are the layout's own, m alone is extrapolated."""
     p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
     k = n_layers // (p * v)
     k0 = 3 if layout.zero >= 3 else 1
-    ks = (k0, k0 + 1) if k > k0 + 1 else (k,)
+    ks = (k0, k0 + 1) if k > k0 + 1 and not uneven else (k,)
     busy = m >= (2 * p if v > 1 else p)
-    deep = p > 3 and busy and (layout.dp * layout.cp * layout.tp) % gpus_per_node == 0 and not own_depth
+    deep = p > 3 and busy and (layout.dp * layout.cp * layout.tp) % gpus_per_node == 0 and not uneven
     for ps in ([(2, 3)] if deep else []) + [(p,)]:
         step = math.lcm(*ps) if v > 1 else 1
         m0 = (2 if layout.zero >= 2 else 1) if p == 1 else 2 * max(ps) if v > 1 else max(ps)
@@ -319,9 +319,7 @@ def estimate(run) -> Estimate:
     v = layout.virtual_stages
     k, m = cfg.n_layers // (layout.pp * v), layout.microbatches
     uneven = layout.stage_layers is not None  # stages of blocks given one by one: only m is extrapolated
-    ps, ks, ms = points(layout, cfg.n_layers, load_hardware(run.hardware).gpus_per_node, own_depth=uneven)
-    if uneven:
-        ks = (k,)
+    ps, ks, ms = points(layout, cfg.n_layers, load_hardware(run.hardware).gpus_per_node, uneven=uneven)
     if ks == (k,) and ms == (m,) and ps == (layout.pp,):  # small enough to plan as it is
         return Estimate.planned(plan(run), 1)
     # per pipeline stage, its largest peak over the stage's ranks (across depths: the first and the last)

@@ -142,7 +142,7 @@ def test_an_estimate_from_shallow_plans_equals_the_full_plan(axes):
     cfg = preset("tiny", n_layers=8, vocab_size=axes.pop("vocab_size", preset("tiny").vocab_size))
     run = RunConfig(model=cfg, layout=Layout(**{"micro_batch_size": 1, **axes}), dtype="bfloat16",
                     hardware="h100-sxm", progress=False)
-    ps, _, _ = points(run.layout, cfg.n_layers, 8, own_depth=run.layout.stage_layers is not None)
+    ps, _, _ = points(run.layout, cfg.n_layers, 8, uneven=run.layout.stage_layers is not None)
     assert (ps == (2, 3)) == (run.layout.pp == 4 and run.layout.stage_layers is None)
     e, p = estimate(run), plan(run)
     assert not e.exact and e.plans in (2, 4)
