@@ -26,7 +26,7 @@ def median(xs) -> float:
 
 def print_table(title: str, header, rows) -> None:
     rows = [[str(c) for c in r] for r in rows]
-    widths = [max(len(str(h)), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    widths = [max([len(str(h))] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
     print(f"\n{title}")
     print("  ".join(str(h).ljust(w) for h, w in zip(header, widths)))
     print("  ".join("-" * w for w in widths))

@@ -19,6 +19,10 @@
    0.1% on the tiny preset), so a 16,384-GPU run plans in seconds. The error is
    planned/published - 1: positive, the plan is optimistic. `--plot FILE` draws planned
    against published.
+
+3. By sequence (`mpt_by_sequence`): MPT-7b on 8 A100s and on 8 H100s at each sequence length
+   of the same llm-foundry tables, 1,024 to 65,536 tokens, planned the same way and printed
+   apart (not rows of the suite): the error against the share of the step attention takes.
 """
 import argparse
 import os
@@ -28,7 +32,7 @@ import time
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from benchmarks._common import default_json, median, print_table, write_json  # noqa: E402
-from benchmarks.published_runs import gelu_gpt, suite  # noqa: E402
+from benchmarks.published_runs import gelu_gpt, mpt_by_sequence, suite  # noqa: E402
 from playground import Layout, RunConfig  # noqa: E402
 from playground.planning import plan  # noqa: E402
 from playground.fits import DEFAULT_HEADROOM, usable  # noqa: E402
@@ -62,7 +66,8 @@ def plan_published(r, hardware: str | None = None) -> dict:
     e = estimate(run)
     planned = run.tokens_per_step / e.step_s / r.gpus
     out = {"source": r.source, "cite": r.cite, "name": r.name, "hardware": run.hardware, "gpus": r.gpus,
-           "layout": r.layout.describe(), "micro_batch": r.layout.micro_batch_size, "published": r.published,
+           "layout": r.layout.describe(), "micro_batch": r.layout.micro_batch_size, "sequence": r.model.seq_len,
+           "published": r.published,
            "chosen": r.chosen, "published_tokens_per_s_per_gpu": r.tokens_per_s_per_gpu,
            "planned_tokens_per_s_per_gpu": planned, "error": planned / r.tokens_per_s_per_gpu - 1,
            "step_s": e.step_s, "planned_peak_gb": e.peak / 1e9, "plans": e.plans,
@@ -100,6 +105,7 @@ def main() -> None:
     ap.add_argument("--hardware", default=None, help="plan every run on this profile instead of its own")
     ap.add_argument("--plot", default=None, help="a PNG of planned against published tokens/s per GPU")
     ap.add_argument("--no-zero", action="store_true", help="leave out the ZeRO memory table")
+    ap.add_argument("--no-sequence", action="store_true", help="leave out MPT-7b by sequence length")
     ap.add_argument("--json", default=default_json("published"))
     a = ap.parse_args()
     zero = [] if a.no_zero else zero_rows()
@@ -134,9 +140,18 @@ def main() -> None:
     if errors:
         print(f"\n{summary['within_15']} of {len(rows)} runs within 15%; median absolute error "
               f"{summary['median_abs_error']:.1%}, largest {summary['max_abs_error']:.1%}")
+    by_sequence = [] if a.no_sequence or a.only else [plan_published(r, a.hardware) for r in mpt_by_sequence()]
+    if by_sequence:
+        print_table("MPT-7b on 8 GPUs by sequence length (llm-foundry's tables; not rows of the suite): the error "
+                    "grows with the share of the step attention takes",
+                    ["GPU", "sequence", "micro-batch", "recomputation", "tokens/s/GPU", "planned", "error"],
+                    [[r["hardware"], f"{r['sequence']:,}", r["micro_batch"],
+                      "full" if "full activation" in r["layout"] else "none", f"{r['published_tokens_per_s_per_gpu']:,.0f}",
+                      f"{r['planned_tokens_per_s_per_gpu']:,.0f}", f"{r['error']:+.1%}"] for r in by_sequence])
     if a.plot and rows:
         plot(rows, a.plot)
-    write_json(a.json, {"benchmark": "published", "zero": zero, "runs": rows, "summary": summary})
+    write_json(a.json, {"benchmark": "published", "zero": zero, "runs": rows, "summary": summary,
+                        "by_sequence": by_sequence})
 
 
 if __name__ == "__main__":

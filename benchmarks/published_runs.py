@@ -148,16 +148,21 @@ def llama3_405b(gpus: int, dp: int, per_dp: int, tflops: float) -> PublishedRun:
 MPT = {"7b": (4096, 32, 32), "13b": (5120, 40, 40), "30b": (7168, 56, 48), "70b": (8192, 64, 80)}
 
 
-def mpt(size: str, gpu: str, gpus: int, mbs: int, accum: int, ac: bool, tps: float, pure: bool = False) -> PublishedRun:
+def mpt(size: str, gpu: str, gpus: int, mbs: int, accum: int, ac: bool, tps: float, pure: bool = False,
+        seq: int = 2048) -> PublishedRun:
     h, heads, l = MPT[size]
-    cfg = gelu_gpt(50368, h, heads, l, 2048)
+    cfg = gelu_gpt(50368, h, heads, l, seq)
     hw = {"a100": "a100-80gb", "h100": "h100-sxm"}[gpu]
     return PublishedRun(
         "llm-foundry", f"mosaicml/llm-foundry, scripts/train/benchmarking/README.md ({gpu.upper()} 80GB tables); shapes "
-        f"from scripts/train/yamls/pretrain/mpt-{size}.yaml", f"MPT-{size} on {gpus} {gpu.upper()}", hw, cfg,
+        f"from scripts/train/yamls/pretrain/mpt-{size}.yaml",
+        f"MPT-{size} on {gpus} {gpu.upper()}" + (f", sequence {seq:,}" if seq != 2048 else ""), hw, cfg,
         Layout(dp=gpus, zero=3, micro_batch_size=mbs, microbatches=accum, ac="full" if ac else "none"),
         tps, f"{tps:,} tokens/s per GPU",
-        "flash attention (the yamls' triton/flash kernels), learned positions and tied embeddings not modelled; "
+        "flash attention as the profile's kernels run it; the runs had the flash-attn package's kernels of 2023 "
+        "(scripts/train/benchmarking/submit_benchmarks.py: attn_impl 'flash'; sweep.sh: a torch 2.0.1, CUDA 11.8 "
+        "image), written for the A100, where the h100 profile measured today's Hopper kernels (the error grows with "
+        "the sequence: benchmarks/published.py, by sequence); learned positions and tied embeddings not modelled; "
         "nodes of 8 GPUs on the profile's network (A100 rows: 1600 Gb/s RoCE per node, the table's header); "
         + ("gradients reduced in bf16 (the row's PURE mixed precision)" if pure else
            "gradients reduced in float32 (the row's DEFAULT mixed precision: Composer's reduce_dtype float32; an "
@@ -176,6 +181,19 @@ def torchtitan(size: str, ac: str, tps: float) -> PublishedRun:
         "float32 (torchtitan's default mixed_precision_reduce); selective op AC planned as this project's "
         "selective-op, torchtitan's policy (matmul and attention outputs kept, but every second matmul's)",
         run={"reduce_dtype": "float32"})
+
+
+def mpt_by_sequence() -> list:
+    """MPT-7b on 8 GPUs of each kind at every sequence length of the same tables (1,024 to
+    65,536 tokens; micro-batch, accumulation and recomputation as each row gives them): not
+    rows of the suite (one model of one source), but how its error moves with the share of
+    the step that attention takes, which grows with the sequence."""
+    a100 = [(1024, 64, 2, True, 4357), (2048, 6, 2, False, 4641), (4096, 16, 2, True, 3684), (8192, 8, 2, True, 3206),
+            (16384, 4, 2, True, 2453), (32768, 2, 2, True, 1672), (65536, 1, 2, True, 1013)]
+    h100 = [(1024, 64, 2, True, 10203), (2048, 6, 1, False, 10643), (4096, 16, 2, True, 8611), (8192, 8, 2, True, 6935),
+            (32768, 2, 2, True, 3318), (65536, 1, 2, True, 1956)]
+    return [mpt("7b", gpu, 8, mbs, accum, ac, tps, seq=seq)
+            for gpu, table in (("a100", a100), ("h100", h100)) for seq, mbs, accum, ac, tps in table]
 
 
 def suite() -> list:
