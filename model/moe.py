@@ -56,8 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .compiled import compiled, fused_on
-from .regions import fused_kernel
+from .compiled import region
 
 
 @dataclass
@@ -517,14 +516,6 @@ def route(logits, c, bias=None) -> tuple:
     return scores, routing(scores, decision, c)
 
 
-def _region(name: str, io_bytes: int, fn, *args):
-    """fn(*args) as a GPU runs it: through torch.compile on CUDA (`fused_on`), and priced by the
-    simulator as one kernel moving io_bytes (`fused_kernel`: a plan's meta ranks, and CPU ranks
-    with simulated time, run its ops one by one). Its backward is priced op by op."""
-    with fused_kernel(io_bytes, name):
-        return fused_on(fn, args[0])(*args)
-
-
 def _detached(x):
     """A recorded loss: a float, or a detached 0-d tensor kept on its device."""
     return x.detach() if isinstance(x, torch.Tensor) else float(x)
@@ -592,7 +583,7 @@ class MoE(nn.Module):
         e = self.experts
         if self.dispatch is None and grouped_mm_applies(x, e.w_gate):  # (one compiled region on a GPU)
             io = self._experts_io(x.shape[0], routing.tokens.shape[0])
-            out = _region("moe_local_experts", io, local_experts, x, routing.tokens, routing.gates, routing.counts,
+            out = region("moe_local_experts", io, local_experts, x, routing.tokens, routing.gates, routing.counts,
                           e.w_gate, e.w_up, e.w_down, self.config.top_k, routing.assignments)
         else:
             y = self._apply_experts(x.index_select(0, routing.tokens), routing.counts)
@@ -675,9 +666,9 @@ class MoE(nn.Module):
                 # what it reads and writes in HBM: the router's weight and its bf16 copy, each
                 # token's k rows of routing (token, gate, order), and the local experts' (above)
                 io = 6 * c.n_experts * c.d_model + 20 * T * c.top_k + self._experts_io(T, T * c.top_k)
-                with fused_kernel(io, "moe_layer"):
-                    out, aux, z, loss, routed, dropped = fused_on(whole_layer, flat)(
-                        flat, self.router.weight, self.expert_bias, e.w_gate, e.w_up, e.w_down, c, b, self.aux_scale)
+                out, aux, z, loss, routed, dropped = region(
+                    "moe_layer", io, whole_layer, flat, self.router.weight, self.expert_bias, e.w_gate, e.w_up, e.w_down,
+                    c, b, self.aux_scale)
                 self._add_load(routed)
                 if self.shared is not None:
                     out = out + self.shared(flat)
@@ -690,7 +681,7 @@ class MoE(nn.Module):
             T, E, k = logits.shape[0], c.n_experts, c.top_k
             if not self.record and (self.dispatch is None or not (c.capacity_factor or logits.is_meta)):
                 io = T * E * (logits.element_size() + 4) + T * k * 20 + 4 * E * 8  # logits in; scores, rows out
-                scores, *fields = _region("moe_routing", io, static_route, logits, self.expert_bias, c)
+                scores, *fields = region("moe_routing", io, static_route, logits, self.expert_bias, c)
                 r = Routing(*fields)
             else:
                 scores, r = self._route(logits)
@@ -703,7 +694,7 @@ class MoE(nn.Module):
                 counts = sequence_counts(r.chosen, b, c.n_experts)
                 if self.sequence_group is not None:
                     self.sequence_group.all_reduce(counts, label="moe.aux_counts_seq")
-            aux, z = _region("moe_balance_losses", logits.nbytes + scores.nbytes + counts.nbytes, balance_losses,
+            aux, z = region("moe_balance_losses", logits.nbytes + scores.nbytes + counts.nbytes, balance_losses,
                              logits, scores, counts, c)
             out = self._group(flat, r).reshape(b, s, d)
             self._record(aux * self.aux_scale, z * self.aux_scale, r.routed, r.dropped)

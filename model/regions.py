@@ -1,7 +1,8 @@
 """Regions of code marked for the simulator: ops that a GPU runs as one kernel, which the
 CPU and meta ranks run op by op, priced and counted as that one kernel (`fused_kernel`,
 `optimizer_kernel`: the compute model, simulator/compute_model.py; the memory tracker,
-simulator/memory.py); a pipeline stage's compute action (`pipeline_action`, which a bubble
+simulator/memory.py); the kernels of one compiled graph, which a GPU launches from one call
+(`compiled_kernels`: the compute model); a pipeline stage's compute action (`pipeline_action`, which a bubble
 measurement charges a fixed cost); and the tracker counting activations now
 (`activation_tracker`).
 
@@ -38,6 +39,18 @@ def fused_kernel(io_bytes: int, name: str, attention: bool = False):
         for mode in _modes():
             if hasattr(mode, "fused"):
                 stack.enter_context(mode.fused(io_bytes, name, attention=attention))
+        yield
+
+
+@contextlib.contextmanager
+def compiled_kernels(name: str):
+    """The ops inside as the kernels of one compiled graph, for the compute model when it is
+    on (`compiled`: each op's device time as its own kernel, the host's as one call); the
+    memory tracker sees them op by op. Else nothing."""
+    with contextlib.ExitStack() as stack:
+        for mode in _modes():
+            if hasattr(mode, "compiled"):
+                stack.enter_context(mode.compiled(name))
         yield
 
 

@@ -99,6 +99,8 @@ _ATTENTION = {getattr(torch.ops.aten, name) for name in (
     "_flash_attention_forward", "_flash_attention_backward",
     "_efficient_attention_forward", "_efficient_attention_backward") if hasattr(torch.ops.aten, name)} | set(_ALIASES)
 _HALF = (torch.bfloat16, torch.float16)
+# a region whose ops run as separate kernels back to back, launched by one host call (`compiled`)
+_BACK_TO_BACK = "back to back"
 # matmuls whose output is tiled (the profile's wave quantization)
 _MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
 
@@ -233,10 +235,14 @@ class ComputeModel(TorchDispatchMode):
         if formula is not None:
             flops = formula(*_shapes(args), **{k: _shapes(x) for k, x in kwargs.items()}, out_val=_shapes(out))
             self.flops += flops
-            attention = self._fused is not None and self._fused[1]
+            attention = self._fused is not None and self._fused[1] is True
             seconds = flops / self.attention_rate if attention else self._seconds(func, args, out, flops)
-        if self._fused is not None:  # one kernel: charged when the region ends
-            self._fused[0] += seconds
+        if self._fused is not None:  # one kernel (or a compiled graph's): charged when the region ends
+            if self._fused[1] == _BACK_TO_BACK:
+                self._fused[0] += max(seconds, nbytes / self.byte_rate)
+                self.bytes += nbytes
+            else:
+                self._fused[0] += seconds
             return out
         if nbytes == 0 and seconds == 0:  # no tensor, or empty ones: nothing launches
             return out
@@ -300,6 +306,22 @@ class ComputeModel(TorchDispatchMode):
         with self.paused():
             yield self
         self.clock.advance(self.unit_costs[kind] / chunks, kind)
+
+    @contextlib.contextmanager
+    def compiled(self, name: str = "compiled"):
+        """The ops inside as the kernels of one torch.compile'd graph (a compiled region's
+        backward, model/compiled.py): on the device each as it would run alone, max(FLOP time,
+        bytes time), back to back; on the host one call, not one floor per op (the graph
+        launches its kernels from one Python call)."""
+        if self._fused is not None or self not in _get_current_dispatch_mode_stack():
+            yield self
+            return
+        self._fused = [0.0, _BACK_TO_BACK]
+        try:
+            yield self
+        finally:
+            seconds, self._fused = self._fused[0], None
+            self._kernel(name, seconds, 0)
 
     def optimizer_step(self, optimizer):
         """Around `optimizer.step()`: the step as torch's fused AdamW runs it on a GPU, one

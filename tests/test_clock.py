@@ -517,3 +517,45 @@ def test_marked_regions_do_not_break_a_graph_torch_compile_traces():
     torch._dynamo.reset()
     explained = torch._dynamo.explain(marked)(torch.randn(8))
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def _chain(x, w):
+    y = x @ w
+    for _ in range(6):
+        y = torch.sigmoid(y) * y + y
+    return y
+
+
+def test_a_compiled_regions_backward_costs_the_host_one_call():
+    """A region a GPU runs through torch.compile (model.compiled.region) has its backward
+    compiled too: on the meta device its backward ops cost the device what each costs alone,
+    back to back, and the host one call, where priced op by op the host pays a floor for
+    every op. The forward is the one fused kernel either way; gradients on the CPU are the
+    function's own."""
+    from model.compiled import region
+    from model.regions import fused_kernel
+
+    def fn(world, compiled):
+        x = torch.empty(512, 512, dtype=torch.bfloat16, device="meta", requires_grad=True)
+        w = torch.empty(512, 512, dtype=torch.bfloat16, device="meta", requires_grad=True)
+        if compiled:
+            y = region("chain", 4 * x.nbytes, _chain, x, w)
+        else:
+            with fused_kernel(4 * x.nbytes, "chain"):
+                y = _chain(x, w)
+        world.timing.compute_model.synchronize()
+        clock = world.timing.clock
+        t0, c0, i0, k0 = clock.now, clock.compute, clock.issuing, world.timing.compute_model.kernels
+        y.backward(torch.empty_like(y))
+        return clock.compute - c0, clock.issuing - i0, world.timing.compute_model.kernels - k0, x.grad.shape
+    compiled = launch(fn, 1, args=(True,), time_model=SimulatedTime(H100)).values[0]
+    eager = launch(fn, 1, args=(False,), time_model=SimulatedTime(H100)).values[0]
+    assert compiled[0] == pytest.approx(eager[0], rel=1e-9)  # the same device time
+    assert eager[2] > 20 and compiled[2] == 1  # every backward op a launch, against the graph's one call
+    assert eager[1] == pytest.approx(eager[2] * H100.kernel_floor) and compiled[1] == pytest.approx(H100.kernel_floor)
+    assert compiled[3] == eager[3] == (512, 512)
+    # on the CPU the region is the function, op by op: its gradients exactly
+    x, w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True), torch.randn(8, 8, dtype=torch.float64)
+    w.requires_grad_()
+    g = torch.autograd.grad(region("chain", 0, _chain, x, w).sum(), (x, w))
+    assert all(torch.equal(a, b) for a, b in zip(g, torch.autograd.grad(_chain(x, w).sum(), (x, w))))
