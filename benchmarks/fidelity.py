@@ -21,9 +21,13 @@ checkpointing mode at micro-batch 4 and at the largest the plan fits), run28_bef
 (selective checkpointing at 32) and run30_expandable (the two that ran out of memory in run27,
 with torch's expandable segments)), run34_moe_fidelity (one H200: 1b-moe and 1b-dsmoe with
 the MoE layer's regions compiled) and run40_moe_fidelity (the same two again, the layer one
-compiled region with one sort: they take the place of run34's; 1b-moe twice), plans the same model and
-layout on that profile (simulator/profiles/h200.json) and prints, per layout: the measured median step (steps after the first) against
-the planned step, and the measured CUDA peak (`torch.cuda.max_memory_allocated`, the
+compiled region with one sort: they take the place of run34's; 1b-moe twice) and run42_host_medians
+(one H200: the host-bound one-GPU rows, 350m, 1b-moe, 1b-dsmoe and 1b with selective
+checkpointing at micro-batch 4, three runs each, alternated: they take the place of the
+earlier ones), plans the same model and layout on that profile (simulator/profiles/h200.json)
+and prints, per layout: the measured median step (steps after the first; a layout run again
+in the same call, named `_2`, `_3` after it, the median of its runs' medians: a host-bound
+step varies from run to run by more than one run's steps do) against the planned step, and the measured CUDA peak (`torch.cuda.max_memory_allocated`, the
 largest over the ranks) against the planned peak, with the relative error of each; and the
 planned step's split into compute, host (the device waiting for the host to issue
 kernels: the compute model's two queues), exposed communication and idle. And the host's
@@ -37,6 +41,7 @@ weights), the mixed precision a plan prices; with ZeRO that is ZeRO's own.
 """
 import argparse
 import os
+import re
 import sys
 
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,7 +57,7 @@ GPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu")
 MEASURED = [os.path.join(GPU, name) for name in ("run13_kernels", "run14_side_by_side", "run15_fidelity",
                                                   "run16_host", "run19_unfused", "run20_dropout", "run22_zero3_w1", "run26_zero_units",
                                                   "run27_one_gpu", "run28_before_after", "run30_expandable",
-                                                  "run34_moe_fidelity", "run40_moe_fidelity")]
+                                                  "run34_moe_fidelity", "run40_moe_fidelity", "run42_host_medians")]
 # runs of code that has changed since: a plan prices the code as it is, so these are not compared
 SUPERSEDED = {
     "1b_zero3": "ZeRO-3 then kept a bf16 parameter shard and its gradient shards through the forward (4Ψ/N more)",
@@ -69,20 +74,46 @@ def measured_run(m: dict) -> RunConfig:
     return RunConfig(model=model, layout=layout, dtype=m["run"]["dtype"], progress=False)
 
 
-def compare(name: str, folder: str, m: dict, hardware: str) -> dict:
-    """Plan the train JSON `m` (`name`, measured in the run `folder`) on `hardware`."""
-    run = measured_run(m)
-    measured = median(m["throughput"]["step_times_s"][1:])
+def layout_name(name: str) -> str:
+    """The layout a run's name measures: a repeat of a run in the same call is named with
+    `_2`, `_3`, ... after it (`1b-moe_1gpu_2`)."""
+    return re.sub(r"_\d+$", "", name)
+
+
+def latest_runs(folders: list) -> dict:
+    """{layout name: (folder, [train JSONs])}: each layout's runs from the last of `folders`
+    that measured it (all of that folder's repeats of it, none of an earlier folder's)."""
+    out: dict = {}
+    for d in folders:
+        here: dict = {}
+        for name, m in train_jsons(d):
+            if not name.startswith(("pg_", "old_")):  # (side-by-side runs)
+                here.setdefault(layout_name(name), []).append(m)
+        out.update({k: (d, ms) for k, ms in here.items()})
+    return out
+
+
+def compare(name: str, folder: str, ms: list, hardware: str) -> dict:
+    """Plan the layout of the train JSONs `ms` (`name`, measured in the run `folder`: one run,
+    or repeats of it in one call, alternated with others) on `hardware`. The measured step is
+    a run's median step (steps after the first), the median of those over the repeats: a
+    host-bound step varies from run to run by more than any one run's steps do."""
+    run = measured_run(ms[0])
+    steps = [median(m["throughput"]["step_times_s"][1:]) for m in ms]
+    measured = median(steps)
     p = plan(RunConfig(**{**run.__dict__, "hardware": hardware}))
     slowest = max(p.values, key=lambda v: v["step"]["time"])["step"]
-    blocked = m["throughput"].get("host_blocked_s")  # (runs before run16 did not record it)
-    host_own = median([t - b for t, b in zip(m["throughput"]["step_times_s"][1:], blocked[1:])]) if blocked else None
-    cuda_peak = max(r.get("cuda_peak_allocated", 0) for r in m["memory"])
+    own = []
+    for m in ms:
+        blocked = m["throughput"].get("host_blocked_s")  # (runs before run16 did not record it)
+        if blocked:
+            own.append(median([t - b for t, b in zip(m["throughput"]["step_times_s"][1:], blocked[1:])]))
+    cuda_peak = max(r.get("cuda_peak_allocated", 0) for m in ms for r in m["memory"])
     planned_peak = p.peak
-    return {"layout": name, "measured_in": os.path.basename(os.path.normpath(folder)),
-            "describe": run.layout.describe(), "measured_step_s": measured,
+    return {"layout": name, "measured_in": os.path.basename(os.path.normpath(folder)), "runs": len(ms),
+            "measured_steps_s": steps, "describe": run.layout.describe(), "measured_step_s": measured,
             "planned_step_s": p.step_s, "step_error": p.step_s / measured - 1, "planned": slowest,
-            "measured_host_own_s": host_own,
+            "measured_host_own_s": median(own) if own else None,
             "measured_cuda_peak": cuda_peak, "planned_peak": planned_peak,
             "memory_error": planned_peak / cuda_peak - 1 if cuda_peak else None}
 
@@ -94,8 +125,7 @@ def main() -> None:
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--json", default=default_json("fidelity"))
     a = ap.parse_args()
-    runs = {name: (d, m) for d in a.measured for name, m in train_jsons(d)
-            if not name.startswith(("pg_", "old_"))}  # (side-by-side runs)
+    runs = latest_runs(a.measured)
     stale = {k: runs.pop(k) for k in sorted(runs) if k in SUPERSEDED}
     rows = [compare(k, *runs[k], a.hardware) for k in sorted(runs)]
     if not rows:
@@ -106,7 +136,10 @@ def main() -> None:
                 f"within 10%: step {within[0]}/{len(rows)}, memory {within[1]}/{len(rows)}",
                 ["run", "measured in", "measured step", "planned step", "error", "compute", "host", "exposed comm", "idle",
                  "host's own: measured", "planned", "CUDA peak", "planned peak", "error"],
-                [[r["layout"], r["measured_in"], f"{r['measured_step_s'] * 1e3:.1f} ms", f"{r['planned_step_s'] * 1e3:.1f} ms",
+                [[r["layout"], r["measured_in"] + (f" ({r['runs']} runs)" if r["runs"] > 1 else ""),
+                  f"{r['measured_step_s'] * 1e3:.1f} ms" + (
+                      f" ({min(r['measured_steps_s']) * 1e3:.1f}-{max(r['measured_steps_s']) * 1e3:.1f})" if r["runs"] > 1 else ""),
+                  f"{r['planned_step_s'] * 1e3:.1f} ms",
                   f"{r['step_error']:+.0%}", f"{r['planned']['compute'] * 1e3:.1f} ms",
                   f"{r['planned']['host'] * 1e3:.1f} ms",
                   f"{r['planned']['exposed_comm'] * 1e3:.1f} ms", f"{r['planned']['idle'] * 1e3:.1f} ms",
