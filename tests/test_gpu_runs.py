@@ -67,3 +67,31 @@ def test_with_inductor_sets_the_options_and_refuses_an_unknown_one(tmp_path, cap
         inductor.combo_kernels = before
     with pytest.raises(SystemExit, match="has no option 'no_such_option'"):
         with_inductor.main(["no_such_option=1", "--", "train"])
+
+
+def test_fidelity_takes_a_layouts_repeats_from_the_last_run_that_measured_it(tmp_path):
+    """benchmarks/fidelity.py: runs of one layout in one call (`_2`, `_3` after the first)
+    are one layout, judged on the median of their median steps; a later run folder that
+    measured a layout replaces every run of it in an earlier one, repeats included."""
+    from benchmarks import fidelity
+
+    def write(folder, name, steps):
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, name + ".json"), "w") as f:
+            json.dump({**TRAIN, "throughput": {**TRAIN["throughput"], "step_times_s": steps}}, f)
+    old, new = str(tmp_path / "run1"), str(tmp_path / "run2")
+    write(old, "350m_single", [9.0, 1.0, 1.0])
+    write(old, "350m_single_2", [9.0, 5.0, 5.0])
+    write(old, "350m_single_4", [9.0, 4.0, 4.0])  # (a repeat the later run has not: dropped too)
+    write(old, "1b_single", [9.0, 2.0, 2.0])
+    write(new, "350m_single", [9.0, 0.3, 0.3])
+    write(new, "350m_single_2", [9.0, 0.1, 0.1])
+    write(new, "350m_single_3", [9.0, 0.25, 0.25])
+    assert fidelity.layout_name("1b-moe_1gpu_2") == "1b-moe_1gpu" and fidelity.layout_name("1b_tp2-sp") == "1b_tp2-sp"
+    runs = fidelity.latest_runs([old, new])
+    assert sorted(runs) == ["1b_single", "350m_single"]
+    folder, ms = runs["350m_single"]
+    assert folder == new and len(ms) == 3
+    assert runs["1b_single"][0] == old
+    medians = sorted(fidelity.median(m["throughput"]["step_times_s"][1:]) for m in ms)
+    assert medians == [0.1, 0.25, 0.3] and fidelity.median(medians) == 0.25
