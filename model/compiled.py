@@ -31,15 +31,19 @@ def fused_on(fn, t):
     return compiled(fn) if t.is_cuda and not torch.compiler.is_compiling() else fn
 
 
-def region(name: str, io_bytes: int, fn, *args):
+def region(name: str, io_bytes: int, fn, *args, checkpointed: bool = False):
     """fn(*args) as a GPU runs it: compiled on CUDA (`fused_on`); priced by the simulator as
     one kernel moving io_bytes (a plan's meta ranks, and CPU ranks with simulated time, run
     its ops one by one); on the meta device its backward priced as one compiled graph's
     (`_CompiledBackward`), elsewhere op by op (the CPU's arithmetic, the float64 check's
-    included, left as it is)."""
+    included, left as it is), and so inside an activation-checkpointed block
+    (`checkpointed`): torch.utils.checkpoint recomputes what the graph saves when its
+    backward first unpacks it, and an autograd graph built inside a custom Function's
+    forward would be recomputed apart from the block's (twice, or refused under a selective
+    policy)."""
     t = args[0]
     with fused_kernel(io_bytes, name):
-        if t.is_meta and torch.is_grad_enabled():
+        if t.is_meta and torch.is_grad_enabled() and not checkpointed:
             return _CompiledBackward.apply(fn, name, *args)
         return fused_on(fn, t)(*args)
 

@@ -551,6 +551,7 @@ class MoE(nn.Module):
         self.stats = MoEStats()
         self.index = None  # the block it sits in
         self.recomputing = False  # activation checkpointing runs the forward again: record nothing
+        self.checkpointed = False  # its block is activation-checkpointed (set by activation_checkpointing)
         self.record = False  # a layout's rank under the check: keep each call's (scores, Decision)
         self.replay: Replay | None = None  # the check's reference: the layout's decisions this step
 
@@ -584,7 +585,8 @@ class MoE(nn.Module):
         if self.dispatch is None and grouped_mm_applies(x, e.w_gate):  # (one compiled region on a GPU)
             io = self._experts_io(x.shape[0], routing.tokens.shape[0])
             out = region("moe_local_experts", io, local_experts, x, routing.tokens, routing.gates, routing.counts,
-                          e.w_gate, e.w_up, e.w_down, self.config.top_k, routing.assignments)
+                         e.w_gate, e.w_up, e.w_down, self.config.top_k, routing.assignments,
+                         checkpointed=self.checkpointed)
         else:
             y = self._apply_experts(x.index_select(0, routing.tokens), routing.counts)
             out = x.new_zeros(x.shape, dtype=y.dtype)  # (under autocast the experts' dtype, as a dense MLP's)
@@ -668,7 +670,7 @@ class MoE(nn.Module):
                 io = 6 * c.n_experts * c.d_model + 20 * T * c.top_k + self._experts_io(T, T * c.top_k)
                 out, aux, z, loss, routed, dropped = region(
                     "moe_layer", io, whole_layer, flat, self.router.weight, self.expert_bias, e.w_gate, e.w_up, e.w_down,
-                    c, b, self.aux_scale)
+                    c, b, self.aux_scale, checkpointed=self.checkpointed)
                 self._add_load(routed)
                 if self.shared is not None:
                     out = out + self.shared(flat)
@@ -681,7 +683,8 @@ class MoE(nn.Module):
             T, E, k = logits.shape[0], c.n_experts, c.top_k
             if not self.record and (self.dispatch is None or not (c.capacity_factor or logits.is_meta)):
                 io = T * E * (logits.element_size() + 4) + T * k * 20 + 4 * E * 8  # logits in; scores, rows out
-                scores, *fields = region("moe_routing", io, static_route, logits, self.expert_bias, c)
+                scores, *fields = region("moe_routing", io, static_route, logits, self.expert_bias, c,
+                                         checkpointed=self.checkpointed)
                 r = Routing(*fields)
             else:
                 scores, r = self._route(logits)
@@ -695,7 +698,7 @@ class MoE(nn.Module):
                 if self.sequence_group is not None:
                     self.sequence_group.all_reduce(counts, label="moe.aux_counts_seq")
             aux, z = region("moe_balance_losses", logits.nbytes + scores.nbytes + counts.nbytes, balance_losses,
-                             logits, scores, counts, c)
+                            logits, scores, counts, c, checkpointed=self.checkpointed)
             out = self._group(flat, r).reshape(b, s, d)
             self._record(aux * self.aux_scale, z * self.aux_scale, r.routed, r.dropped)
             return _AddAuxLoss.apply(out, (aux + z) * self.aux_scale)

@@ -460,6 +460,22 @@ def test_a_plan_routes_with_the_ops_a_gpu_runs():
     assert counted["cpu"] - counted["meta"] <= collections.Counter({"index": 1})
 
 
+def test_a_plan_of_a_checkpointed_moe_block_recomputes_its_forward_once():
+    """A plan prices the MoE layer's compiled regions' backward through an autograd graph of
+    their own (model/compiled.py), which torch.utils.checkpoint would recompute apart from
+    the block's: twice under full recomputation, refused under a selective policy. In a
+    checkpointed block the regions' backward is priced op by op instead: every mode plans,
+    and full recomputation adds one forward, under a third of the step's compute without it
+    (a backward is about twice its forward)."""
+    from playground.planning import plan
+    compute = {}
+    for ac in ("none", "full", "selective", "selective-op"):
+        p = plan(RunConfig(model=preset("tiny-moe"), layout=Layout(micro_batch_size=2, ac=ac), dtype="bfloat16",
+                           hardware="h200", progress=False))
+        compute[ac] = p.values[0]["step"]["compute"]
+    assert compute["none"] < compute["selective"] < compute["full"] < 4 / 3 * compute["none"], compute
+
+
 @pytest.mark.parametrize("cf", [0.5, 1.0, 1.25])
 def test_routing_in_static_shapes_equals_routing_the_kept_rows(cf):
     """With a capacity, the local experts route all T·k assignments (the dropped ones last,
