@@ -288,11 +288,18 @@ class ComputeModel(TorchDispatchMode):
         the kernel reads and writes in HBM. `name`: the kernel's row in `by_op`; `attention`:
         the region is a FlashAttention call (ring attention's blocks), whose FLOPs run at the
         attention rate whatever dtype the matmuls written out inside it use (float32 here)."""
+        with self._one_launch(name, attention, io_bytes):
+            yield self
+
+    @contextlib.contextmanager
+    def _one_launch(self, name: str, kind, io_bytes: int):
+        """The ops inside charged as one launch of `name` when the region ends (`_fused` holds
+        the seconds so far and `kind`: a fused kernel's attention flag, or `_BACK_TO_BACK`)."""
         # (the mode may sit below others: activation checkpointing pushes its own)
         if self._fused is not None or self not in _get_current_dispatch_mode_stack():
-            yield self  # nested (part of the outer kernel), or not counting (a replayed step)
+            yield self  # nested (part of the outer region), or not counting (a replayed step)
             return
-        self._fused = [0.0, attention]
+        self._fused = [0.0, kind]
         try:
             yield self
         finally:
@@ -313,15 +320,8 @@ class ComputeModel(TorchDispatchMode):
         backward, model/compiled.py): on the device each as it would run alone, max(FLOP time,
         bytes time), back to back; on the host one call, not one floor per op (the graph
         launches its kernels from one Python call)."""
-        if self._fused is not None or self not in _get_current_dispatch_mode_stack():
+        with self._one_launch(name, _BACK_TO_BACK, 0):
             yield self
-            return
-        self._fused = [0.0, _BACK_TO_BACK]
-        try:
-            yield self
-        finally:
-            seconds, self._fused = self._fused[0], None
-            self._kernel(name, seconds, 0)
 
     def optimizer_step(self, optimizer):
         """Around `optimizer.step()`: the step as torch's fused AdamW runs it on a GPU, one
