@@ -23,6 +23,8 @@
 3. By sequence (`mpt_by_sequence`): MPT-7b on 8 A100s and on 8 H100s at each sequence length
    of the same llm-foundry tables, 1,024 to 65,536 tokens, planned the same way and printed
    apart (not rows of the suite): the error against the share of the step attention takes.
+   And BLOOM's cluster on one node (`bloom_one_node`: six of its layers at TP 8, measured
+   while its layout was chosen), against the 176B run's error.
 """
 import argparse
 import os
@@ -32,7 +34,7 @@ import time
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from benchmarks._common import default_json, median, print_table, write_json  # noqa: E402
-from benchmarks.published_runs import gelu_gpt, mpt_by_sequence, suite  # noqa: E402
+from benchmarks.published_runs import bloom_one_node, gelu_gpt, mpt_by_sequence, suite  # noqa: E402
 from playground import Layout, RunConfig  # noqa: E402
 from playground.planning import plan  # noqa: E402
 from playground.fits import DEFAULT_HEADROOM, usable  # noqa: E402
@@ -105,7 +107,8 @@ def main() -> None:
     ap.add_argument("--hardware", default=None, help="plan every run on this profile instead of its own")
     ap.add_argument("--plot", default=None, help="a PNG of planned against published tokens/s per GPU")
     ap.add_argument("--no-zero", action="store_true", help="leave out the ZeRO memory table")
-    ap.add_argument("--no-sequence", action="store_true", help="leave out MPT-7b by sequence length")
+    ap.add_argument("--no-sequence", action="store_true",
+                    help="leave out MPT-7b by sequence length and BLOOM's cluster on one node")
     ap.add_argument("--json", default=default_json("published"))
     a = ap.parse_args()
     zero = [] if a.no_zero else zero_rows()
@@ -148,10 +151,15 @@ def main() -> None:
                     [[r["hardware"], f"{r['sequence']:,}", r["micro_batch"],
                       "full" if "full activation" in r["layout"] else "none", f"{r['published_tokens_per_s_per_gpu']:,.0f}",
                       f"{r['planned_tokens_per_s_per_gpu']:,.0f}", f"{r['error']:+.1%}"] for r in by_sequence])
+    one_node = None if a.no_sequence or a.only else plan_published(bloom_one_node(), a.hardware)
+    if one_node:
+        print(f"\nBLOOM's cluster on one node ({one_node['published']}, not a row of the suite): planned "
+              f"{one_node['planned_tokens_per_s_per_gpu']:,.0f} against {one_node['published_tokens_per_s_per_gpu']:,.0f} "
+              f"tokens/s per GPU ({one_node['error']:+.1%}), {one_node['layout']}")
     if a.plot and rows:
         plot(rows, a.plot)
     write_json(a.json, {"benchmark": "published", "zero": zero, "runs": rows, "summary": summary,
-                        "by_sequence": by_sequence})
+                        "by_sequence": by_sequence, "bloom_one_node": one_node})
 
 
 if __name__ == "__main__":

@@ -118,12 +118,31 @@ def bloom() -> PublishedRun:
         "train/tr11-176B-ml/tr11-176B-ml.slurm: --pp-partition-method 'type:transformer|embedding', each embedding "
         "counted as a layer): 5 on the first and the last stage, 6 on the others. The script also sets "
         "CUDA_LAUNCH_BLOCKING=1 (\"or the training will hang\"), which makes every launch wait for its kernel: not "
-        "modelled. "
+        "modelled (the chronicles-prequel measured it at -6% on 80 GPUs, none on 160). Six of its layers on one node "
+        "plan at about the same error as this run (`bloom_one_node`). "
         "Gradients reduced in float32 after the pipeline's schedule: DeepSpeed's bf16 optimizer, written for this "
         "run, accumulates and reduces them in fp32 (microsoft/DeepSpeed pull request 1801, \"bf16+pipeline "
         "parallelism\": \"fp32 reduction\"). The model card's 60 GB is the memory used on each GPU, the allocator's "
         "cache and the CUDA context included; the plan's is the peak of what is allocated",
         memory_gb=60.0, memory_what="used per GPU (model card)", run={"grad_overlap": False, "reduce_dtype": "float32"})
+
+
+def bloom_one_node() -> PublishedRun:
+    """BLOOM's cluster on one node, no pipeline and no network (bigscience-workshop/bigscience,
+    train/tr11-176B-ml/chronicles-prequel.md, "Max possible TFLOPs check for NHIDDEN=14336",
+    2022-02-21): 6 layers of BLOOM's width, TP 8, micro-batch 2, global batch 2048, measured
+    at 143.48 and 157.02 TFLOP/s on the same configuration (the median taken). Not a row of
+    the suite (a benchmark, not a training run): it says whether the 176B row's error is the
+    pipeline's and the network's or each GPU's."""
+    cfg = gelu_gpt(250880, 14336, 64, 6, 2048, attention="unfused")
+    tflops = (143.48 + 157.02) / 2
+    return PublishedRun(
+        "BLOOM 2022", "bigscience-workshop/bigscience, train/tr11-176B-ml/chronicles-prequel.md (2022-02-21)",
+        "18B on one node", "a100-80gb", cfg,
+        Layout(tp=8, micro_batch_size=2, microbatches=1024, ac="full"),
+        tflops * 1e12 / megatron_flops_per_token(cfg, 6, True), "143.48 and 157.02 TFLOP/s (Megatron's count)",
+        "64 heads (the prequel's runs after this one say all had 64), vocabulary 250,880 (BLOOM's padded 250k), "
+        "full recomputation and unfused attention as the 176B run", run={"grad_overlap": False})
 
 
 # -- Llama 3 (Dubey et al. 2024), Table 4 (H100 SXM, 400 Gb/s per GPU) -------------------------
