@@ -387,6 +387,7 @@ def test_the_grouped_gemm_experts_equal_the_loop(monkeypatch):
     """The experts as three grouped GEMMs (the GPU path: torch._grouped_mm over the experts'
     token ranges) give the loop's outputs and gradients, in bf16, with an expert given no
     token; the counts stay a device tensor (no host read)."""
+    import model.compiled as compiled_module
     import model.moe as moe_module
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no _grouped_mm")
@@ -515,6 +516,7 @@ def test_the_regions_a_gpu_compiles_compile_whole_and_equal_the_eager_layer(cf, 
     CPU's path (a loop over the experts, an index_select and an index_add), in bf16."""
     import dataclasses
 
+    import model.compiled as compiled_module
     import model.moe as moe_module
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no _grouped_mm")
@@ -529,9 +531,8 @@ def test_the_regions_a_gpu_compiles_compile_whole_and_equal_the_eager_layer(cf, 
     got = {}
     for fused in ("loop", False, True, "whole"):  # the CPU's loop over the experts, then what a GPU runs
         monkeypatch.setattr(moe_module, "grouped_mm_applies", lambda x, w: fused != "loop")
-        monkeypatch.setattr(moe_module, "fused_on", lambda fn, t: torch.compile(fn, fullgraph=True, dynamic=False)
-                            if fused is True or fused == "whole" else fn)
-        monkeypatch.setattr(moe_module, "compiled", lambda fn: torch.compile(fn, fullgraph=True, dynamic=False))
+        monkeypatch.setattr(compiled_module, "fused_on", lambda fn, t: torch.compile(fn, fullgraph=True, dynamic=False)
+                            if fused is True or fused == "whole" else fn)  # (what model.compiled.region runs)
         monkeypatch.setattr(moe_module.MoE, "_whole_on_gpu", lambda self, flat: fused == "whole")
         layer.stats = mm.MoEStats()
         for p in layer.parameters():
