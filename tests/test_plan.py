@@ -151,7 +151,7 @@ def test_a_peak_fits_when_it_leaves_the_allocator_headroom_free():
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "--memory-headroom 1: must be a finite number at least 0 and below 1" in p.stderr
 
 
-@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("zero", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_a_stage_sends_its_input_gradient_on_before_its_reduction_ends(zero, tmp_path):
     # Megatron-LM's pipeline schedules wait for the data-parallel reductions after the
     # schedule (finish_grad_sync), not at the end of each chunk's last backward: the last

@@ -86,6 +86,7 @@ def _png_size(path) -> tuple:
     return struct.unpack(">II", head[16:24])
 
 
+@pytest.mark.slow  # (at scale: the default tier draws and plans small layouts)
 def test_a_64_stage_schedule_is_drawn_readably(tmp_path):
     """pp 64 with 128 microbatches: 32 of the rows, boxes unlabelled where a label would not
     fit, a bounded picture."""
@@ -97,6 +98,7 @@ def test_a_64_stage_schedule_is_drawn_readably(tmp_path):
     assert width <= 3200 and height <= 2200
 
 
+@pytest.mark.slow  # (at scale: the default tier draws and plans small layouts)
 def test_plan_json_and_plots_at_scale_stay_bounded(tmp_path, cli):
     status, out, err = cli("plan", "--model", "tiny", "--dp", "256", "--tp", "2", "--pp", "2", "--hardware",
                            "h100-sxm", "--plots", tmp_path, "--json", tmp_path / "p.json")
