@@ -27,8 +27,9 @@ checkpointing at micro-batch 4, three runs each, alternated: they take the place
 earlier ones), plans the same model and layout on that profile (simulator/profiles/h200.json)
 and prints, per layout: the measured median step (steps after the first; a layout run again
 in the same call, named `_2`, `_3` after it, the median of its runs' medians: a host-bound
-step varies from run to run by more than one run's steps do) against the planned step, and the measured CUDA peak (`torch.cuda.max_memory_allocated`, the
-largest over the ranks) against the planned peak, with the relative error of each; and the
+step varies from run to run by more than one run's steps do) against the planned step, and
+the measured CUDA peak (`torch.cuda.max_memory_allocated`, the largest over the ranks)
+against the planned peak, with the relative error of each; and the
 planned step's split into compute, host (the device waiting for the host to issue
 kernels: the compute model's two queues), exposed communication and idle. And the host's
 own time per step: measured (from run16 on: the step's wall time less the time the host
@@ -138,7 +139,8 @@ def main() -> None:
                  "host's own: measured", "planned", "CUDA peak", "planned peak", "error"],
                 [[r["layout"], r["measured_in"] + (f" ({r['runs']} runs)" if r["runs"] > 1 else ""),
                   f"{r['measured_step_s'] * 1e3:.1f} ms" + (
-                      f" ({min(r['measured_steps_s']) * 1e3:.1f}-{max(r['measured_steps_s']) * 1e3:.1f})" if r["runs"] > 1 else ""),
+                      f" ({min(r['measured_steps_s']) * 1e3:.1f}-{max(r['measured_steps_s']) * 1e3:.1f})"
+                      if r["runs"] > 1 else ""),
                   f"{r['planned_step_s'] * 1e3:.1f} ms",
                   f"{r['step_error']:+.0%}", f"{r['planned']['compute'] * 1e3:.1f} ms",
                   f"{r['planned']['host'] * 1e3:.1f} ms",

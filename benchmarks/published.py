@@ -149,13 +149,15 @@ def main() -> None:
                     "grows with the share of the step attention takes",
                     ["GPU", "sequence", "micro-batch", "recomputation", "tokens/s/GPU", "planned", "error"],
                     [[r["hardware"], f"{r['sequence']:,}", r["micro_batch"],
-                      "full" if "full activation" in r["layout"] else "none", f"{r['published_tokens_per_s_per_gpu']:,.0f}",
-                      f"{r['planned_tokens_per_s_per_gpu']:,.0f}", f"{r['error']:+.1%}"] for r in by_sequence])
+                      "full" if "full activation" in r["layout"] else "none",
+                      f"{r['published_tokens_per_s_per_gpu']:,.0f}", f"{r['planned_tokens_per_s_per_gpu']:,.0f}",
+                      f"{r['error']:+.1%}"] for r in by_sequence])
     one_node = None if a.no_sequence or a.only else plan_published(bloom_one_node(), a.hardware)
     if one_node:
         print(f"\nBLOOM's cluster on one node ({one_node['published']}, not a row of the suite): planned "
-              f"{one_node['planned_tokens_per_s_per_gpu']:,.0f} against {one_node['published_tokens_per_s_per_gpu']:,.0f} "
-              f"tokens/s per GPU ({one_node['error']:+.1%}), {one_node['layout']}")
+              f"{one_node['planned_tokens_per_s_per_gpu']:,.0f} against "
+              f"{one_node['published_tokens_per_s_per_gpu']:,.0f} tokens/s per GPU ({one_node['error']:+.1%}), "
+              f"{one_node['layout']}")
     if a.plot and rows:
         plot(rows, a.plot)
     write_json(a.json, {"benchmark": "published", "zero": zero, "runs": rows, "summary": summary,

@@ -2,9 +2,9 @@
 CPU and meta ranks run op by op, priced and counted as that one kernel (`fused_kernel`,
 `optimizer_kernel`: the compute model, simulator/compute_model.py; the memory tracker,
 simulator/memory.py); the kernels of one compiled graph, which a GPU launches from one call
-(`compiled_kernels`: the compute model); a pipeline stage's compute action (`pipeline_action`, which a bubble
-measurement charges a fixed cost); and the tracker counting activations now
-(`activation_tracker`).
+(`compiled_kernels`: the compute model); a pipeline stage's compute action
+(`pipeline_action`, which a bubble measurement charges a fixed cost); and the tracker
+counting activations now (`activation_tracker`).
 
 This is the simulator's one channel into the model and the strategies' arithmetic: the
 rank's dispatch modes (each rank's program runs under its own, thread by thread), found on
