@@ -31,7 +31,7 @@ def fused_on(fn, t):
     return compiled(fn) if t.is_cuda and not torch.compiler.is_compiling() else fn
 
 
-def region(name: str, io_bytes: int, fn, *args, checkpointed: bool = False):
+def region(name: str, io_bytes: int, fn, *args, checkpointed: bool = False, graph=None):
     """fn(*args) as a GPU runs it: compiled on CUDA (`fused_on`); priced by the simulator as
     one kernel moving io_bytes (a plan's meta ranks, and CPU ranks with simulated time, run
     its ops one by one); on the meta device its backward priced as one compiled graph's
@@ -40,11 +40,14 @@ def region(name: str, io_bytes: int, fn, *args, checkpointed: bool = False):
     (`checkpointed`): torch.utils.checkpoint recomputes what the graph saves when its
     backward first unpacks it, and an autograd graph built inside a custom Function's
     forward would be recomputed apart from the block's (twice, or refused under a selective
-    policy)."""
+    policy). `graph`: the call site's CUDA graphs (model/cuda_graphs.py), which replay the
+    compiled region on a GPU, outside a checkpointed block."""
     t = args[0]
     with fused_kernel(io_bytes, name):
         if t.is_meta and torch.is_grad_enabled() and not checkpointed:
             return _CompiledBackward.apply(fn, name, *args)
+        if graph is not None and t.is_cuda and not checkpointed:
+            return graph(fn, *args)
         return fused_on(fn, t)(*args)
 
 

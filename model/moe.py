@@ -554,6 +554,13 @@ class MoE(nn.Module):
         self.checkpointed = False  # its block is activation-checkpointed (set by activation_checkpointing)
         self.record = False  # a layout's rank under the check: keep each call's (scores, Decision)
         self.replay: Replay | None = None  # the check's reference: the layout's decisions this step
+        self.graph = None  # the layer's region as CUDA graphs (`use_cuda_graphs`), or None
+
+    def use_cuda_graphs(self, graphs) -> None:
+        """Replay the layer's one compiled region (`whole_layer`) as CUDA graphs of `graphs`
+        (model/cuda_graphs.py): its aux and z losses and its counts are kept past the call
+        (the step's record and load), so they are copied out of the graph's buffers."""
+        self.graph = graphs.site(keep=(1, 2, 4, 5))
 
     # -- the balancing bias ------------------------------------------------------------------
     def _add_load(self, routed) -> None:
@@ -670,7 +677,7 @@ class MoE(nn.Module):
                 io = 6 * c.n_experts * c.d_model + 20 * T * c.top_k + self._experts_io(T, T * c.top_k)
                 out, aux, z, loss, routed, dropped = region(
                     "moe_layer", io, whole_layer, flat, self.router.weight, self.expert_bias, e.w_gate, e.w_up, e.w_down,
-                    c, b, self.aux_scale, checkpointed=self.checkpointed)
+                    c, b, self.aux_scale, checkpointed=self.checkpointed, graph=self.graph)
                 self._add_load(routed)
                 if self.shared is not None:
                     out = out + self.shared(flat)
