@@ -294,6 +294,11 @@ def _training_flags(p, verb: str) -> None:
                                       "bytes), or token ids (.npy of integers, or .bin of uint16) (default: markov)")
         t.add_argument("--compile", action="store_true",
                        help="torch.compile each block (backends torch and gloo; with --ac none or full)")
+    if verb == "train":
+        t.add_argument("--cuda-graphs", action="store_true",
+                       help="replay each MoE layer's compiled region as CUDA graphs, its forward and its backward "
+                            "one launch each (--backend torch on a GPU; bfloat16, no pipeline, --ac none, --zero "
+                            "below 3, ep, tp and cp 1)")
     t.add_argument("--bucket-mb", type=real(0.0, open_low=True), default=25.0,
                    help="DDP bucket size in MiB (torch DDP's bucket_cap_mb)")
     t.add_argument("--no-grad-overlap", action="store_true",

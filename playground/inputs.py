@@ -261,6 +261,7 @@ def run_config(args, typed: set):
                     count_every_step=getattr(args, "count_every_step", False), save=getattr(args, "save", None),
                     save_every=getattr(args, "save_every", None), resume=getattr(args, "resume", None),
                     init_from=getattr(args, "init_from", None), compile=getattr(args, "compile", False),
+                    cuda_graphs=getattr(args, "cuda_graphs", False),
                     bf16_copies=args.bf16_copies, faults=_faults(args, backend),
                     on_nan=getattr(args, "on_nan", "stop"), timeout=getattr(args, "timeout", None),
                     max_restarts=getattr(args, "max_restarts", 0), elastic=getattr(args, "elastic", None))

@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 import torch
 
 from activation_checkpointing import checkpoint_blocks
+from model.cuda_graphs import CudaGraphs
 from model.gpt import CrossEntropy
+from model.moe import grouped_mm_applies
 from model.placement import Placement
 from moe import parallelize_moe
 from pipeline import PipelineExecutor, build_schedule, split_stages
@@ -177,6 +179,22 @@ def compile_blocks(model, backend: str = "inductor") -> None:
         model.loss = torch.compile(model.loss, backend=backend)
 
 
+def graph_moe_layers(parts, device, run) -> None:
+    """Each MoE layer's one compiled region replayed as CUDA graphs sharing one memory pool
+    (model/cuda_graphs.py; the layouts it holds for: playground/run_config.py,
+    `cuda_graphs_problem`), where the layer runs as that region: bf16 grouped GEMMs on a GPU
+    of compute capability 9.0 or more."""
+    layers = [layer for part in parts for layer in part.moe_layers()]
+    if not str(device).startswith("cuda") or not grouped_mm_applies(
+            torch.empty(0, device=device, dtype=torch.bfloat16), layers[0].experts.w_gate):
+        where = torch.cuda.get_device_name(device) if str(device).startswith("cuda") else device
+        raise ValueError(f"--cuda-graphs replays the MoE layer's one compiled region, which runs on a GPU of compute "
+                         f"capability 9.0 or more (bf16 grouped GEMMs): not on {where}")
+    graphs = CudaGraphs()
+    for layer in layers:
+        layer.use_cuda_graphs(graphs)
+
+
 def parallelize(model, mesh, run, device, state_dict=None) -> ParallelModel:
     """Apply `run.layout` to `model` (the reference GPT on the meta device) on this rank of
     `mesh`; `state_dict` (the reference GPT's) gives the initial weights instead of (seed,
@@ -210,6 +228,8 @@ def parallelize(model, mesh, run, device, state_dict=None) -> ParallelModel:
             compile_blocks(part)
     for part in parts:
         part.materialize(device, run.seed, state_dict, rank=mesh.rank)
+    if run.cuda_graphs:
+        graph_moe_layers(parts, device, run)
     # 7. data parallelism on each part: the dense parameters over dp × cp (under hybrid
     # sharding, sharded within dp_shard × cp and replicated across dp_replicate), and the
     # groups the transforms handed over (the experts' shards: moe/plan.py)

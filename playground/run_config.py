@@ -56,6 +56,8 @@ class RunConfig:
     resume: str | None = None  # a checkpoint folder to continue from (any layout)
     init_from: str | None = None  # a state_dict file of the reference GPT to start from
     compile: bool = False  # torch.compile each block's body (real backends: the simulator counts ops one by one)
+    # each MoE layer's compiled region replayed as CUDA graphs (model/cuda_graphs.py; a GPU)
+    cuda_graphs: bool = False
     # faults on purpose (playground/faults.py): injected faults, what a NaN or an Inf does
     # ("stop", "skip" the step, "off": not checked), seconds a rank may wait in one collective
     # (None: the backend's default), and restarts from the last checkpoint after a crash or a hang
@@ -90,6 +92,9 @@ class RunConfig:
         if self.compile and self.backend == "sim":
             raise ValueError("--compile runs the blocks as torch.compile's fused kernels, which the simulator cannot "
                              "count op by op: use it with --backend torch (or gloo)")
+        found = cuda_graphs_problem(self)
+        if found:
+            raise ValueError(found)
         if self.hardware is not None and self.backend != "sim":
             raise ValueError(f"--hardware simulates time on the sim backend; backend {self.backend!r} measures it")
         if self.on_nan not in ("stop", "skip", "off"):
@@ -119,3 +124,32 @@ class RunConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.layout.global_batch * self.model.seq_len
+
+
+def cuda_graphs_problem(run) -> str | None:
+    """Why --cuda-graphs cannot graph this run's MoE layers, or None. A layer's graphs are
+    replayed in the order they were captured, which only plain gradient accumulation keeps,
+    and read the weights where they lie (model/cuda_graphs.py); they hold the layer's one
+    compiled region, which exchanges nothing with other ranks (model/moe.py, `whole_layer`)."""
+    if not run.cuda_graphs:
+        return None
+    layout, why = run.layout, "--cuda-graphs replays each MoE layer's compiled region as CUDA graphs"
+    if run.backend != "torch":
+        return f"{why} on a GPU: use it with --backend torch, not {run.backend}"
+    if not run.model.n_experts:
+        return f"{why}: the model has no experts (n_experts 0)"
+    if run.dtype != "bfloat16":
+        return f"{why}, whose grouped GEMMs run in bfloat16: give --dtype bfloat16, not {run.dtype}"
+    if run.compile:
+        return f"{why}; with --compile the region is traced into its block's graph instead: give one of them"
+    if layout.ac != "none":
+        return f"{why} in the order they were captured; --ac {layout.ac} runs a block's forward again inside " \
+               f"its backward"
+    if layout.pp > 1:
+        return f"{why} in the order they were captured; a pipeline (pp {layout.pp}) interleaves the microbatches"
+    if layout.zero == 3:
+        return f"{why}, which read the weights where they lie; ZeRO-3 gathers them anew at every use"
+    others = [f"{axis} {n}" for axis, n in (("ep", layout.ep), ("tp", layout.tp), ("cp", layout.cp)) if n > 1]
+    if others:
+        return f"{why}, which exchanges nothing with other ranks; under {', '.join(others)} the layer does"
+    return None
