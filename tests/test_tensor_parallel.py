@@ -13,6 +13,7 @@ from tensor_parallel import vocab_parallel_cross_entropy
 from tensor_parallel.layers import shard_range
 
 CFG = preset("tiny", vocab_size=61, n_layers=2)  # 61: the vocabulary is padded for tp = 2 and 4
+TP_SP = [(1, False), (2, False), (4, False), (2, True), (4, True)]
 
 
 def _run(tp, sp, dp=1, dtype="float64", microbatches=2, steps=3, **kw):
@@ -20,8 +21,9 @@ def _run(tp, sp, dp=1, dtype="float64", microbatches=2, steps=3, **kw):
                                               micro_batch_size=2), steps=steps, dtype=dtype, progress=False, **kw)
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (4, False), (2, True), (4, True)])
+@pytest.mark.parametrize("tp,sp,dtype", [(tp, sp, "float64") for tp, sp in TP_SP] + [
+    (tp, sp, "float32") if (tp, sp) == (2, True) else pytest.param(tp, sp, "float32", marks=pytest.mark.slow)
+    for tp, sp in TP_SP])  # (float32 once in the default tier, the rest in the slow one)
 def test_tensor_parallel_matches_one_device(tp, sp, dtype):
     rep = check(_run(tp, sp, dtype=dtype))
     assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
