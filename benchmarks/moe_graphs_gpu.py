@@ -47,6 +47,20 @@ def stack(cfg, layers: int, graphed: bool):
     return out
 
 
+def microbatch(moe, cfg, gen):
+    """One microbatch of micro-batch 4 through the stack (residual adds, bf16 autocast), its
+    backward done and waited for: its loss."""
+    x = torch.randn(4, cfg.seq_len, cfg.d_model, device="cuda", generator=gen, requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        h = x
+        for m in moe:
+            h = h + m(h)
+        loss = h.float().pow(2).mean()
+    loss.backward()
+    torch.cuda.synchronize()
+    return loss
+
+
 def train(cfg, layers: int, steps: int, microbatches: int, graphed: bool) -> dict:
     moe = stack(cfg, layers, graphed)
     params = [p for m in moe for p in m.parameters()]
@@ -56,16 +70,9 @@ def train(cfg, layers: int, steps: int, microbatches: int, graphed: bool) -> dic
         for m in moe:
             m.aux_scale = 1.0 / microbatches
         for mb in range(microbatches):
-            x = torch.randn(4, cfg.seq_len, cfg.d_model, device="cuda", generator=gen, requires_grad=True)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                h = x
-                for m in moe:
-                    h = h + m(h)
-                loss = h.float().pow(2).mean()
-            loss.backward()
-            torch.cuda.synchronize()
+            loss = microbatch(moe, cfg, gen)
             times.append(time.perf_counter() - t0)
             losses.append(loss.detach().clone())
         grads.append([p.grad.detach().clone() for p in params])
@@ -82,14 +89,7 @@ def train(cfg, layers: int, steps: int, microbatches: int, graphed: bool) -> dic
     kernels = None
     if graphed:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            x = torch.randn(4, cfg.seq_len, cfg.d_model, device="cuda", generator=gen, requires_grad=True)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                h = x
-                for m in moe:
-                    h = h + m(h)
-                loss = h.float().pow(2).mean()
-            loss.backward()
-            torch.cuda.synchronize()
+            microbatch(moe, cfg, gen)
         kernels = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
     return {"losses": losses, "grads": grads, "counts": counts, "biases": biases,
             "time": statistics.median(times[-(microbatches * 2):]), "kernels": kernels,

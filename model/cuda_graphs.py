@@ -77,7 +77,7 @@ class CudaGraphs:
         """Before a forward replay, which may rewrite every backward's outputs (the module's
         docstring)."""
         self.reclaim()
-        self.graph.rewrites([t for outs in self.backward_outputs for t in outs if t is not None])
+        self.graph.rewrites(self.backward_outputs)
 
 
 class _CudaGraph:
@@ -101,9 +101,9 @@ class _CudaGraph:
         self.graph.replay()
 
     @staticmethod
-    def rewrites(tensors) -> None:
-        """What a forward replay does to `tensors` (other captures' buffers): the GPU writes
-        there what it writes; nothing to do."""
+    def rewrites(outputs) -> None:
+        """What a forward replay does to the backwards' `outputs`: the GPU writes there what
+        it writes; nothing to do."""
 
 
 class Emulated:
@@ -129,10 +129,10 @@ class Emulated:
                 old.copy_(t)
 
     @staticmethod
-    def rewrites(tensors) -> None:
-        """A forward replay's worst on other captures' buffers it may share memory with: NaN."""
+    def rewrites(outputs) -> None:
+        """A forward replay's worst on the backwards' `outputs` it may share memory with: NaN."""
         with torch.no_grad():
-            for t in tensors:
+            for t in _tensors(outputs):
                 if t.is_floating_point():
                     t.fill_(float("nan"))
 

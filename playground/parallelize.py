@@ -179,7 +179,7 @@ def compile_blocks(model, backend: str = "inductor") -> None:
         model.loss = torch.compile(model.loss, backend=backend)
 
 
-def graph_moe_layers(parts, device, run) -> None:
+def graph_moe_layers(parts, device) -> None:
     """Each MoE layer's one compiled region replayed as CUDA graphs sharing one memory pool
     (model/cuda_graphs.py; the layouts it holds for: playground/run_config.py,
     `cuda_graphs_problem`), where the layer runs as that region: bf16 grouped GEMMs on a GPU
@@ -229,7 +229,7 @@ def parallelize(model, mesh, run, device, state_dict=None) -> ParallelModel:
     for part in parts:
         part.materialize(device, run.seed, state_dict, rank=mesh.rank)
     if run.cuda_graphs:
-        graph_moe_layers(parts, device, run)
+        graph_moe_layers(parts, device)
     # 7. data parallelism on each part: the dense parameters over dp × cp (under hybrid
     # sharding, sharded within dp_shard × cp and replicated across dp_replicate), and the
     # groups the transforms handed over (the experts' shards: moe/plan.py)
