@@ -121,8 +121,8 @@ def _local_units(tp: int, tp_rank: int, dp: int) -> int:
     return sum(-(-sum(p.numel() for _, p in ps) // dp) * dp for _, _, ps in specs)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("dp,tp", [(2, 2), (3, 2)])
+@pytest.mark.parametrize("stage,dp,tp", [(s, 2, 2) for s in (1, 2, 3)] + [
+    (3, 3, 2) if s == 3 else pytest.param(s, 3, 2, marks=pytest.mark.slow) for s in (1, 2, 3)])  # (dp 3: stage 3 by default)
 def test_zero_with_tp_moves_zeros_share_of_the_tp_slice_and_tp_traffic_is_unchanged(stage, dp, tp):
     """Per rank per step (ring, float32, one microbatch): ZeRO moves 2Ψ_t(n−1)/n elements
     at stages 1-2 and 3Ψ_t(n−1)/n at stage 3, Ψ_t the rank's TP slice padded per unit; the
