@@ -53,8 +53,10 @@ class GPTConfig:
     expert_d_ff: int = 0
     n_shared_experts: int = 0
     # the attention kernel (model/gpt.py): "flash" (SDPA's fused kernel: the s×s scores stay on
-    # chip) or "unfused" (Megatron-LM's of Narayanan et al. 2021: the scores written to
-    # memory by a batched matmul, one fused scale-mask-softmax kernel, the probabilities kept)
+    # chip), "flash1" (the same arithmetic, priced as FlashAttention-1's kernels of Dao et al.
+    # 2022, which runs of 2022-2023 had: half FlashAttention-2's speed, simulator/compute_model.py)
+    # or "unfused" (Megatron-LM's of Narayanan et al. 2021: the scores written to memory by a
+    # batched matmul, one fused scale-mask-softmax kernel, the probabilities kept)
     attention: str = "flash"
     # dropout on the attention probabilities (model/dropout.py; Megatron-LM's --attention-dropout,
     # 0.1 by default there): unfused attention only, the flash kernel keeps no probabilities
@@ -91,8 +93,8 @@ class GPTConfig:
             raise ValueError(f"bias_update_rate={self.bias_update_rate} must be >= 0")
         if self.moe_every < 1 or self.capacity_factor < 0:
             raise ValueError(f"moe_every={self.moe_every} must be >= 1 and capacity_factor={self.capacity_factor} >= 0")
-        if self.attention not in ("flash", "unfused"):
-            raise ValueError(f"attention={self.attention!r}: choose 'flash' or 'unfused'")
+        if self.attention not in ("flash", "flash1", "unfused"):
+            raise ValueError(f"attention={self.attention!r}: choose 'flash', 'flash1' or 'unfused'")
         if not 0.0 <= self.attention_dropout < 1.0:
             raise ValueError(f"attention_dropout={self.attention_dropout} must be in [0, 1)")
         if self.attention_dropout and self.attention != "unfused":

@@ -174,7 +174,7 @@ class CausalAttention(nn.Module):
         self.generator = None
 
     def forward(self, q, k, v):
-        if self.kernel == "flash":
+        if self.kernel in ("flash", "flash1"):  # (flash1: the same kernel here, priced as FlashAttention-1's)
             return causal_attention(q, k, v)
         return unfused_attention(q, k, v, self.dropout_rate, self.generator, self.training)
 

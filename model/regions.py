@@ -2,7 +2,8 @@
 CPU and meta ranks run op by op, priced and counted as that one kernel (`fused_kernel`,
 `optimizer_kernel`: the compute model, simulator/compute_model.py; the memory tracker,
 simulator/memory.py); the kernels of one compiled graph, which a GPU launches from one call
-(`compiled_kernels`: the compute model); a pipeline stage's compute action
+(`compiled_kernels`: the compute model); the generation of its flash attention kernels
+(`attention_kernels`); a pipeline stage's compute action
 (`pipeline_action`, which a bubble measurement charges a fixed cost); and the tracker
 counting activations now (`activation_tracker`).
 
@@ -51,6 +52,18 @@ def compiled_kernels(name: str):
         for mode in _modes():
             if hasattr(mode, "compiled"):
                 stack.enter_context(mode.compiled(name))
+        yield
+
+
+@contextlib.contextmanager
+def attention_kernels(generation: str):
+    """The flash attention ops inside (forward and backward: a step's) priced as the kernels
+    of `generation` (the model's `attention`), for the compute model when it is on
+    (`attention_kernels`: simulator/compute_model.py, FLASH_GENERATIONS); else nothing."""
+    with contextlib.ExitStack() as stack:
+        for mode in _modes():
+            if hasattr(mode, "attention_kernels"):
+                stack.enter_context(mode.attention_kernels(generation))
         yield
 
 

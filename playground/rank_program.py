@@ -14,6 +14,7 @@ import torch
 
 from collectives import ReduceOp
 from model import GPT
+from model.regions import attention_kernels
 from simulator import MemoryTracker
 
 from .data_parallel import data_parallel_group
@@ -57,7 +58,8 @@ class RankProgram:
 
     def forward_backward(self, micro, track=None) -> torch.Tensor:
         """The step's microbatches forward and backward; this rank's share of the loss."""
-        return self.model.run_step(micro, track or self.track)
+        with attention_kernels(self.run.model.attention):  # (FlashAttention-1's are priced slower)
+            return self.model.run_step(micro, track or self.track)
 
     def update(self) -> None:
         self.model.step()

@@ -8,7 +8,9 @@ issued and the previous one is done, for max(FLOPs / FLOP rate, bytes / (HBM ban
 HBM fraction)), a 16-bit matmul's FLOP time in whole tiles and whole waves of tiles
 over the GPU's SMs where the profile gives them (Hardware.wave_quantization: NVIDIA's
 "Matrix Multiplication Background User's Guide"), fused attention at the profile's
-fraction for its head dimension and sequence (Hardware.attention_fraction_at). So the host runs ahead while kernels are long (the step is the device's
+fraction for its head dimension and sequence (Hardware.attention_fraction_at), at the speed
+of the kernels' generation relative to the profile's (`FLASH_GENERATIONS`, set for a step
+by `attention_kernels`). So the host runs ahead while kernels are long (the step is the device's
 work) and the device starves while they are short (the step is the host's issuing); a
 read of a value on the host (`.item()`, `.tolist()`) makes the host wait for the device.
 FLOPs from torch's own flop counter formulas (matmuls, convolutions, attention), bytes =
@@ -99,6 +101,11 @@ _ATTENTION = {getattr(torch.ops.aten, name) for name in (
     "_flash_attention_forward", "_flash_attention_backward",
     "_efficient_attention_forward", "_efficient_attention_backward") if hasattr(torch.ops.aten, name)} | set(_ALIASES)
 _HALF = (torch.bfloat16, torch.float16)
+# the speed of each generation of flash kernels relative to the profile's attention rates,
+# which are FlashAttention-2's (the A100's from its paper, the H100's and H200's measured on
+# today's kernels): FlashAttention-2 is "around 2x" faster than FlashAttention, which reaches
+# 25-40% of the A100's peak against its 50-73% (Dao 2023, FlashAttention-2, abstract)
+FLASH_GENERATIONS = {"flash": 1.0, "flash1": 0.5}
 # a region whose ops run as separate kernels back to back, launched by one host call (`compiled`)
 _BACK_TO_BACK = "back to back"
 # matmuls whose output is tiled (the profile's wave quantization)
@@ -200,6 +207,7 @@ class ComputeModel(TorchDispatchMode):
         self._formula: dict = {}  # op -> its FLOP formula, None (bytes only) or False (free)
         self._fused = None  # [seconds, attention?] while inside a fused region
         self.slowdown = 1.0  # this rank's kernels take this many times as long (an injected slow rank)
+        self.attention_speed = 1.0  # the flash kernels' speed relative to the profile's (`attention_kernels`)
 
     def _classify(self, func):
         packet = func._overloadpacket
@@ -236,7 +244,8 @@ class ComputeModel(TorchDispatchMode):
             flops = formula(*_shapes(args), **{k: _shapes(x) for k, x in kwargs.items()}, out_val=_shapes(out))
             self.flops += flops
             attention = self._fused is not None and self._fused[1] is True
-            seconds = flops / self.attention_rate if attention else self._seconds(func, args, out, flops)
+            seconds = (flops / (self.attention_rate * self.attention_speed) if attention
+                       else self._seconds(func, args, out, flops))
         if self._fused is not None:  # one kernel (or a compiled graph's): charged when the region ends
             if self._fused[1] == _BACK_TO_BACK:
                 self._fused[0] += max(seconds, nbytes / self.byte_rate)
@@ -272,7 +281,8 @@ class ComputeModel(TorchDispatchMode):
         if packet in _ATTENTION:  # (b, heads, s, head_dim) through SDPA's ops, (b, s, heads, head_dim) below them
             q = args[0]
             seq = q.shape[-2] if packet.__name__.startswith("_scaled_dot_product") else q.shape[1]
-            return flops / (self.hw.peak_bf16_flops * self.hw.attention_fraction_at(q.shape[-1], seq))
+            rate = self.hw.peak_bf16_flops * self.hw.attention_fraction_at(q.shape[-1], seq) * self.attention_speed
+            return flops / rate
         if _first_dtype(args) not in _HALF:
             return flops / self.fp32_rate
         if packet in _MATMULS and isinstance(out, torch.Tensor) and out.dim() >= 2:
@@ -305,6 +315,16 @@ class ComputeModel(TorchDispatchMode):
         finally:
             seconds, self._fused = self._fused[0], None
             self._kernel(name, seconds, io_bytes)
+
+    @contextlib.contextmanager
+    def attention_kernels(self, generation: str):
+        """The flash attention ops inside priced as `generation`'s kernels (`FLASH_GENERATIONS`:
+        the model's `attention`, around a step's forward and backward)."""
+        before, self.attention_speed = self.attention_speed, FLASH_GENERATIONS.get(generation, 1.0)
+        try:
+            yield self
+        finally:
+            self.attention_speed = before
 
     @contextlib.contextmanager
     def pipeline_action(self, kind: str, chunks: int = 1):

@@ -31,11 +31,12 @@ above with these; override them with a profile file):
 - achievable fractions: 0.80 of peak for matmuls and 0.90 of HBM bandwidth (this
   workplace's H200 measured 0.78 for an 8192³ bf16 matmul over its first half second and
   0.70 sustained under its power limit; a copy at 0.83 of its HBM);
-- fused attention at 0.60 of the bf16 peak in FlashAttention-2's own count, within the
-  50-73% of the A100's peak it reaches (Dao 2023, abstract); that count takes the backward as
-  2.5 times the forward (its benchmarks/benchmark_flash_attention.py, `flops`: the backward
-  recomputes QKᵀ), this simulator's as 2 times (torch's FLOP formulas), so the same kernel
-  time is 0.60 · 3 / 3.5 = 0.514 of the peak here;
+- fused attention at 0.60 of the bf16 peak, within the 50-73% of the A100's peak
+  FlashAttention-2 reaches (Dao 2023, abstract), in its own count, which takes the backward
+  as 2.5 times the forward (its benchmarks/benchmark_flash_attention.py, `flops`: the
+  backward computes QKᵀ again), as this simulator's does (torch's FLOP formula for the
+  backward counts that recomputation: torch/utils/flop_counter.py, sdpa_backward_flop_count);
+  FlashAttention-1's kernels at half that (simulator/compute_model.py, FLASH_GENERATIONS);
 - a kernel floor of 5 µs: the host's time to issue one op (a launch, and eager PyTorch's
   dispatch), which the GPU waits for when its kernels are shorter (the compute model's
   host queue); a collective call costs the host one floor too unless the profile gives
@@ -136,7 +137,7 @@ class Hardware:
         return best
 
 
-_ASSUMED = dict(attention_fraction=0.60 * 3 / 3.5, kernel_floor=5e-6)  # (attention: in this simulator's FLOP count)
+_ASSUMED = dict(attention_fraction=0.60, kernel_floor=5e-6)
 PROFILES = {
     "a100-80gb": Hardware("a100-80gb", 312e12, 0.80, 2.039e12, 0.90, 80 * GB, 232 * GB, 25 * GB, 2e-6, 5e-6, 8,
                           fp32_flops=19.5e12, **_ASSUMED, source="datasheet (A100 80GB SXM) and assumptions",

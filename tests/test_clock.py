@@ -1,5 +1,6 @@
 """The simulated clock: overlap, idle time, point-to-point order, the
 roofline time of an op, and DDP's exposed communication."""
+import contextlib
 import dataclasses
 import pytest
 import torch
@@ -159,6 +160,30 @@ def test_attention_runs_at_the_attention_fraction():
     got = launch(_sdpa, 1, args=((4, 8, 2048, 64),), time_model=SimulatedTime(H100)).values[0]
     flops = 4 * 4 * 8 * 2048 * 2048 * 64 * (2048 + 1) // (2 * 2048)  # QK^T and PV, causal half
     assert got == pytest.approx(H100.kernel_floor + flops / (H100.peak_bf16_flops * H100.attention_fraction), rel=1e-6)
+
+
+def test_flashattention_1_kernels_run_at_half_the_profiles_attention_rate():
+    """Inside `attention_kernels("flash1")` an SDPA call and a fused attention region cost
+    twice their time at the profile's rate (FlashAttention-2 is about 2x FlashAttention-1:
+    Dao 2023); "flash" and code outside the context keep it."""
+    from model.regions import attention_kernels, fused_kernel
+
+    def fn(world, generation):
+        q = torch.randn(4, 8, 2048, 64, dtype=torch.bfloat16)
+        m = torch.empty(1, 8, 1024, 64, device="meta")
+        compute, clock = world.timing.compute_model, world.timing.clock
+        with attention_kernels(generation) if generation else contextlib.nullcontext():
+            compute.synchronize()
+            t0 = clock.now
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+            with fused_kernel(0, "flash_attention", attention=True):
+                m @ m.transpose(-1, -2)
+            return clock.now - t0
+    one, two, outside = (launch(fn, 1, args=(g,), time_model=SimulatedTime(H100)).values[0]
+                         for g in ("flash1", "flash", None))
+    floor = H100.kernel_floor  # (the host issues the second kernel while the first runs)
+    assert one - floor == pytest.approx(2 * (two - floor), rel=1e-9)
+    assert outside == pytest.approx(two, rel=1e-12)
 
 
 def test_an_optimizer_step_is_one_fused_pass():

@@ -107,3 +107,21 @@ def test_unfused_attention_computes_what_the_flash_kernel_does(kv_heads):
     assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-13) for a, b in zip(ga, gb))
     with pytest.raises(ValueError, match="attention='paged'"):
         preset("tiny", attention="paged")
+
+
+def test_flashattention_1_computes_what_the_flash_kernel_does():
+    """attention="flash1" is priced as FlashAttention-1 (tests/test_plan.py) and computes
+    exactly the flash path: the same loss and gradients, bitwise; context parallelism, which
+    runs its own flash kernel, refuses it by name."""
+    from playground import Layout, LayoutError
+    x = torch.randint(0, 64, (2, 33))
+    got = []
+    for kernel in ("flash", "flash1"):
+        model = GPT(preset("tiny", attention=kernel), seed=1, dtype=torch.float64)
+        loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        got.append((loss.detach(), [p.grad for p in model.parameters()]))
+    (la, ga), (lb, gb) = got
+    assert torch.equal(la, lb) and all(torch.equal(a, b) for a, b in zip(ga, gb))
+    with pytest.raises(LayoutError, match="cp=2 needs attention='flash'.*attention='flash1'"):
+        Layout(cp=2).validate(preset("tiny", attention="flash1"))

@@ -167,3 +167,30 @@ def test_a_stage_sends_its_input_gradient_on_before_its_reduction_ends(zero, tmp
     reduction = last_dp["exposed_comm"] - last["exposed_comm"]
     assert reduction > 2 * first["bubble"] > 0  # (the reductions are what would show)
     assert first_dp["bubble"] == pytest.approx(first["bubble"], rel=0.05)
+
+
+def test_flashattention_1_is_planned_at_half_the_attention_speed(monkeypatch):
+    """attention="flash1" (FlashAttention-1's kernels: Dao 2023 has FlashAttention-2 about 2x
+    faster) plans every attention kernel of the step, forward and backward, at half the
+    profile's rate and nothing else differently: with a third generation at a quarter, the
+    step grows by 1, then 3 times the attention's time at the profile's rate; the memory
+    stays that of the flash kernel."""
+    from simulator import compute_model
+    monkeypatch.setitem(compute_model.FLASH_GENERATIONS, "quarter", 0.25)
+    cfg = preset("small", n_layers=2, seq_len=2048, d_model=1024, n_heads=8)
+    steps, peaks = {}, {}
+    for kernel in ("flash", "flash1", "quarter"):
+        model = cfg.with_(attention="flash") if kernel == "quarter" else cfg.with_(attention=kernel)
+        run = RunConfig(model=model, layout=Layout(micro_batch_size=2, microbatches=2), hardware="h100-sxm",
+                        dtype="bfloat16", progress=False)
+        if kernel == "quarter":
+            monkeypatch.setitem(compute_model.FLASH_GENERATIONS, "flash", 0.25)
+        p = plan(run)
+        steps[kernel], peaks[kernel] = p.step_s, p.peak
+    half, quarter = steps["flash1"] - steps["flash"], steps["quarter"] - steps["flash"]
+    hw = load_hardware("h100-sxm")
+    forward = 4 * 2 * 8 * 2048 * 2048 * 128 * 2049 // (2 * 2048)  # QKᵀ and PV of a microbatch, causal
+    # (the backward 2.5 times the forward: torch's count takes in its recomputation of QKᵀ)
+    attention = 2 * 2 * 3.5 * forward / (hw.peak_bf16_flops * hw.attention_fraction_at(128, 2048))
+    assert half == pytest.approx(attention, rel=1e-6) and quarter == pytest.approx(3 * half, rel=1e-6)
+    assert peaks["flash1"] == peaks["flash"]
