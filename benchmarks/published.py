@@ -14,6 +14,8 @@
 2. The published runs of benchmarks/published_runs.py (each cited there, with what its
    source leaves unstated and what is chosen for it): the planned tokens per second per
    GPU against the published, and the planned memory against the published where given.
+   Where a source states an interconnect other than the profile's (a DGX's), the run's
+   `links` replace the profile's link fields for it (BLOOM's Jean Zay), the GPU's own kept.
    Each layout is planned through the search's estimate (playground/search.py: shallow
    plans extrapolated in blocks, microbatches and pipeline depth; equal to full plans to
    0.1% on the tiny preset), so a 16,384-GPU run plans in seconds. The error is
@@ -27,9 +29,12 @@
    while its layout was chosen), against the 176B run's error.
 """
 import argparse
+import json
 import os
 import sys
+import tempfile
 import time
+from dataclasses import replace
 
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,14 +65,32 @@ def zero_rows() -> list:
     return rows
 
 
+def with_links(name: str, links: dict, folder: str) -> str:
+    """Profile `name` with the interconnect fields `links` (a source's stated cluster), as a
+    profile file in `folder` (a plan takes a profile by name or file); `name` without links."""
+    if not links:
+        return name
+    hw = replace(load_hardware(name), name=f"{load_hardware(name).name}, the source's links", **links)
+    path = os.path.join(folder, "profile.json")
+    with open(path, "w") as f:
+        json.dump(hw.to_dict(), f)
+    return path
+
+
 def plan_published(r, hardware: str | None = None) -> dict:
-    """Plan the published run `r` (on `hardware`, else its own profile) and hold it to the source."""
-    run = RunConfig(model=r.model, layout=r.layout, dtype="bfloat16", hardware=hardware or r.hardware, progress=False,
-                    **r.run)
+    """Plan the published run `r` (on `hardware`, else its own profile, with the interconnect
+    its source states where that differs: `links`) and hold it to the source."""
+    with tempfile.TemporaryDirectory() as folder:
+        return _plan_published(r, with_links(hardware or r.hardware, r.links, folder))
+
+
+def _plan_published(r, hardware: str) -> dict:
+    run = RunConfig(model=r.model, layout=r.layout, dtype="bfloat16", hardware=hardware, progress=False, **r.run)
     t0 = time.perf_counter()
     e = estimate(run)
     planned = run.tokens_per_step / e.step_s / r.gpus
-    out = {"source": r.source, "cite": r.cite, "name": r.name, "hardware": run.hardware, "gpus": r.gpus,
+    out = {"source": r.source, "cite": r.cite, "name": r.name, "hardware": load_hardware(run.hardware).name,
+           "links": r.links, "gpus": r.gpus,
            "layout": r.layout.describe(), "micro_batch": r.layout.micro_batch_size, "sequence": r.model.seq_len,
            "published": r.published,
            "chosen": r.chosen, "published_tokens_per_s_per_gpu": r.tokens_per_s_per_gpu,
@@ -145,8 +168,8 @@ def main() -> None:
               f"{summary['median_abs_error']:.1%}, largest {summary['max_abs_error']:.1%}")
     by_sequence = [] if a.no_sequence or a.only else [plan_published(r, a.hardware) for r in mpt_by_sequence()]
     if by_sequence:
-        print_table("MPT-7b on 8 GPUs by sequence length (llm-foundry's tables; not rows of the suite): the error "
-                    "grows with the share of the step attention takes",
+        print_table("MPT-7b on 8 GPUs by sequence length (llm-foundry's tables; not rows of the suite): attention's "
+                    "share of the step grows with the sequence",
                     ["GPU", "sequence", "micro-batch", "recomputation", "tokens/s/GPU", "planned", "error"],
                     [[r["hardware"], f"{r['sequence']:,}", r["micro_batch"],
                       "full" if "full activation" in r["layout"] else "none",

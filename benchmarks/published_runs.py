@@ -29,6 +29,9 @@ class PublishedRun:
     memory_gb: float | None = None  # published memory per GPU (GB), where given
     memory_what: str = ""  # what that memory counts
     run: dict = field(default_factory=dict)  # RunConfig fields besides the defaults (grad_overlap)
+    # the interconnect as the source states it, where its cluster's is not the profile's (a DGX's:
+    # NVSwitch, 200-400 Gb/s per GPU): Hardware fields, the GPU's own numbers left as profiled
+    links: dict = field(default_factory=dict)
 
     @property
     def gpus(self) -> int:
@@ -102,6 +105,14 @@ def korthikanti(size: str, method: str) -> PublishedRun:
 
 
 # -- BLOOM (BigScience 2022) ------------------------------------------------------------------
+# Jean Zay's A100 nodes as the BLOOM paper states them (Le Scao et al. 2022, section 3.4.1,
+# "Hardware"): "4 NVLink GPU-to-GPU interconnects per node", read as 4 NVLink 3 links per GPU
+# where a DGX A100's NVSwitch gives each 12, so a third of the profile's NCCL bus bandwidth
+# (232.5 GB/s); "4 Omni-Path 100 Gbps links per node" for its 8 GPUs: 50 Gb/s per GPU
+JEAN_ZAY = {"nvlink_bandwidth": 232.5e9 / 3, "network_bandwidth": 4 * 100e9 / 8 / 8}
+_JEAN_ZAY = ("Jean Zay's interconnect as the paper states it (`JEAN_ZAY`: 4 NVLinks per GPU, a third of a DGX's; "
+             "4 × 100 Gb/s Omni-Path per node); the paper's \"4 NVLink GPU-to-GPU interconnects per node\" could "
+             "also be read as NVSwitch, which the profile has: planned so, the 176B run was +27.9%")
 def bloom() -> PublishedRun:
     """BLOOM-176B: 70 layers, hidden 14336, 112 heads, vocabulary 250880 (padded), sequence
     2048, global batch 2048 (Le Scao et al. 2022, BLOOM, section 3.4 and Table 3); 384 A100
@@ -123,8 +134,9 @@ def bloom() -> PublishedRun:
         "Gradients reduced in float32 after the pipeline's schedule: DeepSpeed's bf16 optimizer, written for this "
         "run, accumulates and reduces them in fp32 (microsoft/DeepSpeed pull request 1801, \"bf16+pipeline "
         "parallelism\": \"fp32 reduction\"). The model card's 60 GB is the memory used on each GPU, the allocator's "
-        "cache and the CUDA context included; the plan's is the peak of what is allocated",
-        memory_gb=60.0, memory_what="used per GPU (model card)", run={"grad_overlap": False, "reduce_dtype": "float32"})
+        "cache and the CUDA context included; the plan's is the peak of what is allocated. " + _JEAN_ZAY,
+        memory_gb=60.0, memory_what="used per GPU (model card)", run={"grad_overlap": False, "reduce_dtype": "float32"},
+        links=JEAN_ZAY)
 
 
 def bloom_one_node() -> PublishedRun:
@@ -142,7 +154,8 @@ def bloom_one_node() -> PublishedRun:
         Layout(tp=8, micro_batch_size=2, microbatches=1024, ac="full"),
         tflops * 1e12 / megatron_flops_per_token(cfg, 6, True), "143.48 and 157.02 TFLOP/s (Megatron's count)",
         "64 heads (the prequel's runs after this one say all had 64), vocabulary 250,880 (BLOOM's padded 250k), "
-        "full recomputation and unfused attention as the 176B run", run={"grad_overlap": False})
+        "full recomputation and unfused attention as the 176B run; " + _JEAN_ZAY, run={"grad_overlap": False},
+        links=JEAN_ZAY)
 
 
 # -- Llama 3 (Dubey et al. 2024), Table 4 (H100 SXM, 400 Gb/s per GPU) -------------------------
@@ -170,7 +183,7 @@ MPT = {"7b": (4096, 32, 32), "13b": (5120, 40, 40), "30b": (7168, 56, 48), "70b"
 def mpt(size: str, gpu: str, gpus: int, mbs: int, accum: int, ac: bool, tps: float, pure: bool = False,
         seq: int = 2048) -> PublishedRun:
     h, heads, l = MPT[size]
-    cfg = gelu_gpt(50368, h, heads, l, seq)
+    cfg = gelu_gpt(50368, h, heads, l, seq, attention="flash1")
     hw = {"a100": "a100-80gb", "h100": "h100-sxm"}[gpu]
     return PublishedRun(
         "llm-foundry", f"mosaicml/llm-foundry, scripts/train/benchmarking/README.md ({gpu.upper()} 80GB tables); shapes "
@@ -178,10 +191,12 @@ def mpt(size: str, gpu: str, gpus: int, mbs: int, accum: int, ac: bool, tps: flo
         f"MPT-{size} on {gpus} {gpu.upper()}" + (f", sequence {seq:,}" if seq != 2048 else ""), hw, cfg,
         Layout(dp=gpus, zero=3, micro_batch_size=mbs, microbatches=accum, ac="full" if ac else "none"),
         tps, f"{tps:,} tokens/s per GPU",
-        "flash attention as the profile's kernels run it; the runs had the flash-attn package's kernels of 2023 "
-        "(scripts/train/benchmarking/submit_benchmarks.py: attn_impl 'flash'; sweep.sh: a torch 2.0.1, CUDA 11.8 "
-        "image), written for the A100, where the h100 profile measured today's Hopper kernels (the error grows with "
-        "the sequence: benchmarks/published.py, by sequence); learned positions and tied embeddings not modelled; "
+        "FlashAttention-1's kernels (`attention='flash1'`: half the profile's flash rate, simulator/compute_model.py): "
+        "the tables ran llm-foundry v0.0.4 (sweep.sh: GIT_COMMIT v0.0.4, a torch 2.0.1, CUDA 11.8 image) installed "
+        "with its `gpu` extra (submit_benchmarks.py: pip_install '-e .[gpu]'), which pinned the flash-attn package "
+        "at 1.x as late as 2024 (setup.py: flash-attn 1.0.9; FlashAttention-2 was the separate `gpu-flash2` extra), "
+        "and attn_impl 'flash' calls FlashAttention-1's flash_attn_unpadded_func where that package is installed "
+        "(llmfoundry/models/layers/attention.py); learned positions and tied embeddings not modelled; "
         "nodes of 8 GPUs on the profile's network (A100 rows: 1600 Gb/s RoCE per node, the table's header); "
         + ("gradients reduced in bf16 (the row's PURE mixed precision)" if pure else
            "gradients reduced in float32 (the row's DEFAULT mixed precision: Composer's reduce_dtype float32; an "
