@@ -20,12 +20,13 @@ def _run(p, m, schedule, v=1, dp=1, dtype="float64", n_layers=None, **kw):
 
 def _cases():
     """Every schedule at 2, 3 and 4 stages, with 1, p and 2p + 1 microbatches; at 4 stages
-    the default tier keeps 2p + 1 (the slow tier the others)."""
+    the default tier keeps 2p + 1, at 3 stages p and 2p + 1 (one microbatch is 2 stages'
+    case again), the slow tier the others."""
     for schedule, v in SCHEDULES:
         for p in (2, 3, 4):
             for m in (1, p, 2 * p + 1):
-                yield pytest.param(schedule, v, p, m, marks=pytest.mark.slow) if p == 4 and m != 2 * p + 1 else \
-                    (schedule, v, p, m)
+                slow = (p == 4 and m != 2 * p + 1) or (p == 3 and m == 1)
+                yield pytest.param(schedule, v, p, m, marks=pytest.mark.slow) if slow else (schedule, v, p, m)
 
 
 @pytest.mark.parametrize("schedule,v,p,m", list(_cases()))
