@@ -70,7 +70,8 @@ def with_links(name: str, links: dict, folder: str) -> str:
     profile file in `folder` (a plan takes a profile by name or file); `name` without links."""
     if not links:
         return name
-    hw = replace(load_hardware(name), name=f"{load_hardware(name).name}, the source's links", **links)
+    hw = load_hardware(name)
+    hw = replace(hw, name=f"{hw.name}, the source's links", **links)
     path = os.path.join(folder, "profile.json")
     with open(path, "w") as f:
         json.dump(hw.to_dict(), f)

@@ -174,9 +174,9 @@ class CausalAttention(nn.Module):
         self.generator = None
 
     def forward(self, q, k, v):
-        if self.kernel in ("flash", "flash1"):  # (flash1: the same kernel here, priced as FlashAttention-1's)
-            return causal_attention(q, k, v)
-        return unfused_attention(q, k, v, self.dropout_rate, self.generator, self.training)
+        if self.kernel == "unfused":
+            return unfused_attention(q, k, v, self.dropout_rate, self.generator, self.training)
+        return causal_attention(q, k, v)  # (flash1 too: the same kernel here, priced as FlashAttention-1's)
 
 
 class Attention(nn.Module):

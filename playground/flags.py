@@ -173,8 +173,8 @@ def _layout_flags(p, verb: str) -> None:
     g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model preset")
     g.add_argument("--model-config", metavar="KEY=VALUE,...",
                    help="override the preset's shape: d_model, n_layers, n_heads, n_kv_heads, d_ff, vocab_size, "
-                        "seq_len, attention=flash|flash1|unfused (flash1: planned as FlashAttention-1), attention_dropout (unfused only), and the MoE fields "
-                        "(default: the preset's)")
+                        "seq_len, attention=flash|flash1|unfused (flash1: planned as FlashAttention-1), "
+                        "attention_dropout (unfused only), and the MoE fields (default: the preset's)")
     g.add_argument("--world", type=whole(1), help="number of ranks (default: the product of the axes; under torchrun "
                                                   "its process count)")
     for axis, what, names in (
