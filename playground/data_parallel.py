@@ -80,7 +80,7 @@ def data_parallel(parts, stages, groups, run, device) -> tuple:
                                           reduce_dtype=torch_dtype(run.reduce_dtype) if run.reduce_dtype else None,
                                           label=name, overlap=run.grad_overlap,
                                           replicate=g.replicate, accumulate=layout.pp > 1,
-                                          finish_at_step=layout.pp > 1))
+                                          finish_at_step=layout.pp > 1, fused_master_step=run.fused_master_step))
             elif g.group.size > 1 or g.scale != 1:  # (a group of one rank has nothing to average)
                 w.append(DistributedDataParallel(part, g.group, bucket_cap_mb=bucket_mb, label=name, params=params,
                                                  grad_scale=g.scale, finish_at_step=layout.pp > 1))

@@ -50,6 +50,11 @@ class RunConfig:
     # bfloat16 as compute copies with fp32 master weights (ZeRO's engine, at stage 0 without
     # --zero) instead of autocast: what planning on meta uses (playground/planning.py)
     bf16_copies: bool = False
+    # ZeRO's step with compute copies at stages 0-2 in one pass a unit (zero/master_adamw.py);
+    # False: torch's AdamW on fp32 gradients, then the copies rounded from the masters, as
+    # separate passes (how the engine stepped before; benchmarks/fidelity.py plans the GPU runs
+    # measured then as they ran)
+    fused_master_step: bool = True
     # checkpoints (playground/checkpoint.py)
     save: str | None = None  # a folder: save there every `save_every` steps and at the end
     save_every: int | None = None

@@ -34,7 +34,10 @@ becomes 14Ψ/N). The gradient shards of stages 2-3 are made by the step's first 
 and freed by the optimizer step (FSDP2's after `zero_grad(set_to_none=True)`), so they
 do not exist through the next forward; the memory tracker counts them as the step's
 gradients (`MemoryTracker.gradients`). The optimizer is torch's AdamW applied to the shards: AdamW
-is elementwise, so updating shards equals updating the whole.
+is elementwise, so updating shards equals updating the whole. With compute copies (mixed
+precision, no loss scaling) at stages 0-2 its step is one pass a unit (`master_adamw`: the
+compute-dtype gradient read, the copy written, torch's fused arithmetic); stage 3, which
+keeps no copy, and fp16 keep torch's step (stage 3's then matches FSDP2's bit for bit).
 
 Hybrid sharding (HSDP; FSDP's HYBRID_SHARD, torchtitan's `dp_replicate × dp_shard`; Zhao et
 al. 2023, section 3.2.1): with a `replicate` group the engine shards over `group` (the shard
@@ -83,6 +86,7 @@ from torch import nn
 from collectives import ReduceOp
 from model.regions import optimizer_kernel
 from model.grad_hooks import GradientReady
+from .master_adamw import master_adamw
 from .optimizer import adamw, step_count
 from model.placement import placement_of
 
@@ -112,9 +116,11 @@ class ZeroDataParallel(nn.Module):
                  lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, compute_dtype=None, reduce_dtype=None,
                  loss_scaler: DynamicLossScaler | None = None, label: str = "zero",
-                 overlap: bool = True, replicate=None, accumulate: bool = False, finish_at_step: bool = False):
+                 overlap: bool = True, replicate=None, accumulate: bool = False, finish_at_step: bool = False,
+                 fused_master_step: bool = True):
         super().__init__()
         self.finish_at_step = finish_at_step  # the reductions are waited by finish_grad_sync
+        self.fused_master_step = fused_master_step  # compute copies at stages 0-2: AdamW in one pass (`step`)
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         if not overlap and stage >= 2:
@@ -207,20 +213,24 @@ class ZeroDataParallel(nn.Module):
             if overflow:
                 self._zero_grads()
                 return False
-        for u, g in zip(self.units, grads):
-            g = g.to(self.master_dtype) if g.dtype != self.master_dtype else g
-            u.master.grad = g / scale if self.scaler else g
-        with optimizer_kernel(self.optimizer):
-            self.optimizer.step()
-        for u in self.units:
-            u.master.grad = None
+        one_pass = self.fused_master_step and self.mixed and not self.scaler and self.stage < 3
+        if one_pass:  # AdamW from the compute-dtype gradients, writing the compute copies (master_adamw.py)
+            master_adamw(self.optimizer, grads, [u.flat[u.lo:u.hi] for u in self.units])
+        else:
+            for u, g in zip(self.units, grads):
+                g = g.to(self.master_dtype) if g.dtype != self.master_dtype else g
+                u.master.grad = g / scale if self.scaler else g
+            with optimizer_kernel(self.optimizer):
+                self.optimizer.step()
+            for u in self.units:
+                u.master.grad = None
         self._zero_grads()
         works = []
         for u in self.units:
             if self.stage == 3:  # the next all-gathers read the masters (kept gathered through a
                 self._free(u)  # pipeline's step, each unit is resharded now)
                 continue
-            if self.mixed:
+            if self.mixed and not one_pass:
                 u.flat[u.lo:u.hi].copy_(u.master)
             if self.stage > 0:
                 works.append(self.group.all_gather(u.flat, u.flat[u.lo:u.hi], async_op=True,
