@@ -24,7 +24,9 @@ the MoE layer's regions compiled) and run40_moe_fidelity (the same two again, th
 compiled region with one sort: they take the place of run34's; 1b-moe twice) and run42_host_medians
 (one H200: the host-bound one-GPU rows, 350m, 1b-moe, 1b-dsmoe and 1b with selective
 checkpointing at micro-batch 4, three runs each, alternated: they take the place of the
-earlier ones), plans the same model and layout on that profile (simulator/profiles/h200.json)
+earlier ones) and run46_master_adamw (one H200: 1b-moe and its dense model, three alternated
+runs each with ZeRO's one-pass step with compute copies, `after`, and with the separate passes
+before it, `before`, each planned as it stepped), plans the same model and layout on that profile (simulator/profiles/h200.json)
 and prints, per layout: the measured median step (steps after the first; a layout run again
 in the same call, named `_2`, `_3` after it, the median of its runs' medians: a host-bound
 step varies from run to run by more than one run's steps do) against the planned step, and
@@ -58,7 +60,8 @@ GPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu")
 MEASURED = [os.path.join(GPU, name) for name in ("run13_kernels", "run14_side_by_side", "run15_fidelity",
                                                   "run16_host", "run19_unfused", "run20_dropout", "run22_zero3_w1", "run26_zero_units",
                                                   "run27_one_gpu", "run28_before_after", "run30_expandable",
-                                                  "run34_moe_fidelity", "run40_moe_fidelity", "run42_host_medians")]
+                                                  "run34_moe_fidelity", "run40_moe_fidelity", "run42_host_medians",
+                                                  "run46_master_adamw")]
 # runs of code that has changed since: a plan prices the code as it is, so these are not compared
 SUPERSEDED = {
     "1b_zero3": "ZeRO-3 then kept a bf16 parameter shard and its gradient shards through the forward (4Ψ/N more)",
@@ -69,10 +72,13 @@ SUPERSEDED = {
 
 
 def measured_run(m: dict) -> RunConfig:
-    """The RunConfig of a train JSON: its model, layout and dtype."""
+    """The RunConfig of a train JSON: its model, layout and dtype, and how its ZeRO engine
+    stepped with compute copies (runs before the one-pass step recorded nothing: separate
+    passes, `RunConfig.fused_master_step`)."""
     model = GPTConfig(**{k: v for k, v in m["model"].items() if k != "n_params"})
     layout = Layout(**{k: v for k, v in m["layout"].items() if k not in ("world", "global_batch")})
-    return RunConfig(model=model, layout=layout, dtype=m["run"]["dtype"], progress=False)
+    return RunConfig(model=model, layout=layout, dtype=m["run"]["dtype"], progress=False,
+                     fused_master_step=m["run"].get("fused_master_step", False))
 
 
 def layout_name(name: str) -> str:
