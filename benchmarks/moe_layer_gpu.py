@@ -27,7 +27,6 @@ tokens, d_model 1024):
 """
 import argparse
 import os
-import statistics
 import sys
 
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,6 +34,7 @@ sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from benchmarks._common import print_table, write_json  # noqa: E402
+from benchmarks.shapes_gpu import timed as event_timed  # noqa: E402
 from model import preset  # noqa: E402
 from model.gpt import SwiGLU  # noqa: E402
 from model.moe import MoE, MoEStats, grouped_swiglu  # noqa: E402
@@ -44,17 +44,7 @@ from zero.optimizer import adamw  # noqa: E402
 
 def timed(fn, iters: int) -> tuple:
     """(median ms of fn() on the device, [(kernel, ms)] of one profiled call)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    ms = event_timed(fn, reps=iters) * 1e3
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
@@ -62,7 +52,7 @@ def timed(fn, iters: int) -> tuple:
     for e in prof.events():
         if e.device_type.name == "CUDA":
             kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time / 1e3
-    return statistics.median(times), sorted(kernels.items(), key=lambda kv: -kv[1])
+    return ms, sorted(kernels.items(), key=lambda kv: -kv[1])
 
 
 def layer_part(module, x, grad, stats=None):
@@ -110,13 +100,18 @@ def main() -> None:
     parts["dense"] = dense(5472, T)
     parts["dense_rows"] = dense(c.expert_width, 2 * T)
 
-    def step(n_params: int):
-        unit = 1 << 26  # flat units of 64 Mi elements (a 1b-moe block holds about 71M)
+    def units(n_params: int) -> tuple:
+        """(sizes, fp32 masters, bf16 copies, bf16 gradients, AdamW) of flat units of 64 Mi
+        elements (a 1b-moe block holds about 71M) holding n_params in all."""
+        unit = 1 << 26
         sizes = [unit] * (n_params // unit) + ([n_params % unit] if n_params % unit else [])
         masters = [torch.zeros(s, device="cuda", dtype=torch.float32, requires_grad=True) for s in sizes]
         copies = [torch.zeros(s, device="cuda", dtype=torch.bfloat16) for s in sizes]
         grads = [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in sizes]
-        opt = adamw(masters, lr=1e-4)
+        return sizes, masters, copies, grads, adamw(masters, lr=1e-4)
+
+    def step(n_params: int):
+        _, masters, copies, grads, opt = units(n_params)
 
         def fn():
             for p, g in zip(masters, grads):
@@ -131,12 +126,7 @@ def main() -> None:
     def one_pass(n_params: int):
         """zero/master_adamw.py's step over the same units; and its worst error and torch's fused
         AdamW's against the float64 formula over 3 steps of one unit."""
-        unit = 1 << 26
-        sizes = [unit] * (n_params // unit) + ([n_params % unit] if n_params % unit else [])
-        masters = [torch.zeros(s, device="cuda", dtype=torch.float32, requires_grad=True) for s in sizes]
-        copies = [torch.zeros(s, device="cuda", dtype=torch.bfloat16) for s in sizes]
-        grads = [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in sizes]
-        opt = adamw(masters, lr=1e-4)
+        sizes, _, copies, grads, opt = units(n_params)
 
         def fn():
             master_adamw(opt, grads, copies)
