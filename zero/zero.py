@@ -36,8 +36,9 @@ do not exist through the next forward; the memory tracker counts them as the ste
 gradients (`MemoryTracker.gradients`). The optimizer is torch's AdamW applied to the shards: AdamW
 is elementwise, so updating shards equals updating the whole. With compute copies (mixed
 precision, no loss scaling) at stages 0-2 its step is one pass a unit (`master_adamw`: the
-compute-dtype gradient read, the copy written, torch's fused arithmetic); stage 3, which
-keeps no copy, and fp16 keep torch's step (stage 3's then matches FSDP2's bit for bit).
+compute-dtype gradient read, the copy written, AdamW in float32 within float rounding of its
+formula; not bit for bit torch's kernel); stage 3, which keeps no copy, and fp16 keep
+torch's step (stage 3's then matches FSDP2's bit for bit).
 
 Hybrid sharding (HSDP; FSDP's HYBRID_SHARD, torchtitan's `dp_replicate × dp_shard`; Zhao et
 al. 2023, section 3.2.1): with a `replicate` group the engine shards over `group` (the shard
