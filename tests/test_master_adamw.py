@@ -110,3 +110,20 @@ def test_zero_steps_with_compute_copies_in_one_pass(monkeypatch, stage, fused, u
     out = train(run)
     assert bool(calls) == used
     assert all(math.isfinite(x) for x in out.losses)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_check_passes_bf16_zero_through_the_one_pass(stage):
+    """ZeRO-1/2 in bf16 (compute copies, so the one pass) against the one-device reference in
+    float64 over 3 steps: the loss and every gradient within bf16's bounds (in bf16 the check
+    reports the weights without judging them: the one pass's arithmetic is held to the
+    formula above)."""
+    from model import preset
+    from playground import Layout, RunConfig
+    from playground.equivalence import check
+    run = RunConfig(model=preset("tiny", vocab_size=62, d_model=44, n_heads=2, d_ff=61, n_layers=2),
+                    layout=Layout(dp=2, zero=stage, microbatches=2, micro_batch_size=2), steps=3, dtype="bfloat16",
+                    progress=False)
+    rep = check(run)
+    assert rep.passed, [r for r in rep.rows if not r.ok]
+
