@@ -38,7 +38,7 @@ from benchmarks.shapes_gpu import timed as event_timed  # noqa: E402
 from model import preset  # noqa: E402
 from model.gpt import SwiGLU  # noqa: E402
 from model.moe import MoE, MoEStats, grouped_swiglu  # noqa: E402
-from zero.master_adamw import master_adamw  # noqa: E402
+from zero.master_adamw import adamw_formula, master_adamw  # noqa: E402
 from zero.optimizer import adamw  # noqa: E402
 
 
@@ -85,9 +85,8 @@ def main() -> None:
     parts["moe"] = moe(torch.bfloat16)
     parts["moe_fp32"] = moe(torch.float32)
 
-    w = [torch.randn(E, f, i, device="cuda", dtype=torch.bfloat16, requires_grad=True) * 0.02
+    w = [(torch.randn(E, f, i, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
          for f, i in ((c.expert_width, d), (c.expert_width, d), (d, c.expert_width))]
-    w = [t.detach().requires_grad_() for t in w]
     rows = torch.randn(2 * T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     counts = torch.full((E,), 2 * T // E, device="cuda", dtype=torch.long)
     g_rows = torch.randn_like(rows)
@@ -121,7 +120,7 @@ def main() -> None:
                 p.grad = None
                 b.copy_(p.detach())
                 g.zero_()
-        return fn, n_params
+        return fn
 
     def one_pass(n_params: int):
         """zero/master_adamw.py's step over the same units; and its worst error and torch's fused
@@ -148,13 +147,7 @@ def main() -> None:
             ref.grad = g.float()
             ref_opt.step()
             master_adamw(my_opt, [g], [copy])
-            # the float64 formula from master_adamw's state before this step
-            P, M, V = exact
-            G = g.double()
-            P = P - lr * wd * P
-            M = b1 * M + (1 - b1) * G
-            V = b2 * V + (1 - b2) * G * G
-            P = P - lr / (1 - b1 ** t) * M / (V.sqrt() / (1 - b2 ** t) ** 0.5 + eps)
+            P, M, V = adamw_formula(*exact, g, t, lr, (b1, b2), wd, eps)  # (from master_adamw's state before it)
             for name, (p, opt) in (("torch_fused", (ref, ref_opt)), ("master_adamw", (mine, my_opt))):
                 st = opt.state[p]
                 for i, (got, want, prior) in enumerate(zip((p.detach(), st["exp_avg"], st["exp_avg_sq"]), (P, M, V),
@@ -175,8 +168,8 @@ def main() -> None:
     from model import GPT
     n_moe = sum(p.numel() for p in GPT(c, device="meta").parameters())
     n_dense = sum(p.numel() for p in GPT(c.with_(n_experts=0, d_ff=5472), device="meta").parameters())
-    parts["adamw_moe"], _ = step(n_moe)
-    parts["adamw_dense"], _ = step(n_dense)
+    parts["adamw_moe"] = step(n_moe)
+    parts["adamw_dense"] = step(n_dense)
     parts["adamw_moe_one_pass"] = one_pass(n_moe)
 
     rows_out, out = [], {}

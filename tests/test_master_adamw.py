@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from zero import master_adamw as one_pass
-from zero.master_adamw import master_adamw
+from zero.master_adamw import adamw_formula, master_adamw
 
 LR, WD, B1, B2, EPS = 3e-4, 0.1, 0.9, 0.95, 1e-8
 
@@ -24,13 +24,7 @@ def _state(n: int, step: int, seed: int = 0):
 
 
 def _formula(p, m, v, g, step: int):
-    """AdamW's step (Loshchilov & Hutter 2019, algorithm 2, torch's form of ε) in float64."""
-    p, m, v, g = (t.detach().double() for t in (p, m, v, g))
-    p = p - LR * WD * p
-    m = B1 * m + (1 - B1) * g
-    v = B2 * v + (1 - B2) * g * g
-    p = p - LR / (1 - B1 ** step) * m / (v.sqrt() / math.sqrt(1 - B2 ** step) + EPS)
-    return p, m, v
+    return adamw_formula(p, m, v, g, step, LR, (B1, B2), WD, EPS)
 
 
 def _rel(a, b, before) -> float:

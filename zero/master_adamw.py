@@ -54,6 +54,16 @@ def _bias_corrections(step, beta1: float, beta2: float, lr: float) -> tuple:
             (1 - beta2 ** t).sqrt().to(torch.float32))
 
 
+def adamw_formula(p, m, v, g, step: int, lr: float, betas: tuple, weight_decay: float, eps: float) -> tuple:
+    """(p, m, v) after one AdamW step (Loshchilov & Hutter 2019, algorithm 2; ε added to the
+    bias-corrected root, as torch writes it) in float64: what `master_adamw` is held to."""
+    (beta1, beta2), (p, m, v, g) = betas, (t.detach().double() for t in (p, m, v, g))
+    p = p - lr * weight_decay * p
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    return p - lr / (1 - beta1 ** step) * m / (v.sqrt() / (1 - beta2 ** step) ** 0.5 + eps), m, v
+
+
 @torch.no_grad()
 def master_adamw(optimizer: torch.optim.AdamW, grads: list, copies: list) -> None:
     """One AdamW step of `optimizer`'s parameters (fp32 masters, one param group) from
@@ -61,8 +71,8 @@ def master_adamw(optimizer: torch.optim.AdamW, grads: list, copies: list) -> Non
     rounded values into `copies` (one per parameter). The state is created as torch's AdamW
     creates it at the first step."""
     group, = optimizer.param_groups
-    params = group["params"]
-    (beta1, beta2), hyper = group["betas"], (group["lr"], group["weight_decay"], group["eps"])
+    params, (beta1, beta2) = group["params"], group["betas"]
+    lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
     if group.get("amsgrad") or group.get("maximize"):
         raise ValueError("master_adamw does AdamW alone: amsgrad and maximize are not supported")
     states = []
@@ -74,13 +84,10 @@ def master_adamw(optimizer: torch.optim.AdamW, grads: list, copies: list) -> Non
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         states.append(state)
     torch._foreach_add_([s["step"] for s in states], 1)
-    lr, weight_decay, eps = hyper
-    corrections = {}  # per step count's device (every unit steps together: one count's values)
+    # every unit steps together (one count), so one pair of corrections serves them all
+    corrections = _bias_corrections(states[0]["step"], beta1, beta2, lr) if states else ()
     for p, g, copy, s in zip(params, grads, copies, states):
-        step = s["step"]
-        if step.device not in corrections:
-            corrections[step.device] = _bias_corrections(step, beta1, beta2, lr)
-        step_size, root = (c.to(p.device) for c in corrections[step.device])
+        step_size, root = (c.to(p.device) for c in corrections)  # (a plan's counts are on the CPU)
         # what it moves: master and moments read and written, the gradient read, the copy written
         io = 6 * p.nbytes + g.nbytes + copy.nbytes
         region("master_adamw", io, _update, p, g, s["exp_avg"], s["exp_avg_sq"], copy, step_size, root, lr, beta1,
