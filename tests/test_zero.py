@@ -1,6 +1,7 @@
 """ZeRO-1/2/3: equivalence with one device for every stage, the bytes each
 stage moves per step, the model-state memory of the paper's formulas, mixed precision and
 dynamic loss scaling."""
+import contextlib
 import math
 
 import pytest
@@ -244,6 +245,59 @@ def test_any_module_is_one_unit(stage):
     assert {pl.name for pl, _ in pieces} == set(full)
     for pl, t in pieces:
         torch.testing.assert_close(t, pl.local(full[pl.name].detach()), rtol=1e-12, atol=1e-14)
+
+
+class _TwoBranches(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(5, 3).double(), torch.nn.Linear(5, 3).double()
+
+    def forward(self, x, use_a: bool):
+        return self.b(x) + (self.a(x) if use_a else 0)
+
+
+def _two_steps(world, stage, init, microbatches):
+    """Step 1 uses both branches, step 2 only b (in every microbatch, or in the last one
+    only): the rank's reduced gradients after step 2's backward."""
+    model = _TwoBranches()
+    model.load_state_dict(init)
+    z = ZeroDataParallel(model, world, stage, lr=0.1)
+    x = torch.randn(4 * world.size, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    mine = x[4 * world.rank:4 * world.rank + 4]
+    z(mine, True).pow(2).mean().backward()
+    z.step()
+    for k in range(microbatches):
+        last = k == microbatches - 1
+        with (contextlib.nullcontext() if last else z.no_sync()):
+            z(mine, not last and microbatches > 1 and k == 0).pow(2).mean().backward()
+    return z.pieces("grad")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_parameter_without_a_gradient_contributes_zeros_after_one_that_had_one(stage, microbatches):
+    """Gradients are copied into the flat buffer the first time in a step, not added to a
+    zeroed one: a parameter that gets none in a step (here branch a in step 2, or in its
+    second microbatch only) must still read zeros, not the last step's gradient."""
+    ref = _TwoBranches()
+    init = {k: v.clone() for k, v in ref.state_dict().items()}
+    x = torch.randn(8, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    torch.stack([ref(x[4 * r:4 * r + 4], True).pow(2).mean() for r in range(2)]).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    for k in range(microbatches):
+        use_a = microbatches > 1 and k == 0
+        torch.stack([ref(x[4 * r:4 * r + 4], use_a).pow(2).mean() for r in range(2)]).mean().backward()
+    full = dict(ref.named_parameters())
+    pieces = [p for rank in launch(_two_steps, 2, args=(stage, init, microbatches)).values for p in rank]
+    assert {pl.name for pl, _ in pieces} == set(full)
+    for pl, t in pieces:
+        want = full[pl.name].grad
+        want = torch.zeros_like(full[pl.name]) if want is None else want
+        torch.testing.assert_close(t, pl.local(want.detach()), rtol=1e-12, atol=1e-14)
+    assert any(pl.name.startswith("a.") and t.abs().max() > 0 for pl, t in pieces) == (microbatches > 1)
 
 
 @pytest.mark.parametrize("stage", [0, 1])
