@@ -26,7 +26,11 @@ compiled region with one sort: they take the place of run34's; 1b-moe twice) and
 checkpointing at micro-batch 4, three runs each, alternated: they take the place of the
 earlier ones) and run46_master_adamw (one H200: 1b-moe and its dense model, three alternated
 runs each with ZeRO's one-pass step with compute copies, `after`, and with the separate passes
-before it, `before`, each planned as it stepped), plans the same model and layout on that profile (simulator/profiles/h200.json)
+before it, `before`, each planned as it stepped) and run48_moe_graphs_rounds (one H200: 1b-moe as
+compiled regions, `moe`, with --cuda-graphs, `graphs`, planned without them: a plan prices no
+graph replay, and its dense model, `dense`, three alternated rounds, after ZeRO's gradients
+were copied into its flat buffer instead of zeroed and added; the earlier rows ran the
+latter and are planned as the code is now: about 1% shorter), plans the same model and layout on that profile (simulator/profiles/h200.json)
 and prints, per layout: the measured median step (steps after the first; a layout run again
 in the same call, named `_2`, `_3` after it, the median of its runs' medians: a host-bound
 step varies from run to run by more than one run's steps do) against the planned step, and
@@ -61,7 +65,7 @@ MEASURED = [os.path.join(GPU, name) for name in ("run13_kernels", "run14_side_by
                                                   "run16_host", "run19_unfused", "run20_dropout", "run22_zero3_w1", "run26_zero_units",
                                                   "run27_one_gpu", "run28_before_after", "run30_expandable",
                                                   "run34_moe_fidelity", "run40_moe_fidelity", "run42_host_medians",
-                                                  "run46_master_adamw")]
+                                                  "run46_master_adamw", "run48_moe_graphs_rounds")]
 # runs of code that has changed since: a plan prices the code as it is, so these are not compared
 SUPERSEDED = {
     "1b_zero3": "ZeRO-3 then kept a bf16 parameter shard and its gradient shards through the forward (4Ψ/N more)",
