@@ -30,7 +30,9 @@ before it, `before`, each planned as it stepped) and run48_moe_graphs_rounds (on
 compiled regions, `moe`, with --cuda-graphs, `graphs`, planned without them: a plan prices no
 graph replay, and its dense model, `dense`, three alternated rounds, after ZeRO's gradients
 were copied into its flat buffer instead of zeroed and added; the earlier rows ran the
-latter and are planned as the code is now: about 1% shorter), plans the same model and layout on that profile (simulator/profiles/h200.json)
+latter and are planned as the code is now: about 1% shorter) and run49_grad_dtype (one H200:
+1b with its gradients in bf16 and in float32, `--grad-dtype float32`, two alternated rounds;
+a Llama-3-shaped 3B without and with full recomputation: `3b_single`, `3b-acfull_single`), plans the same model and layout on that profile (simulator/profiles/h200.json)
 and prints, per layout: the measured median step (steps after the first; a layout run again
 in the same call, named `_2`, `_3` after it, the median of its runs' medians: a host-bound
 step varies from run to run by more than one run's steps do) against the planned step, and
@@ -65,7 +67,8 @@ MEASURED = [os.path.join(GPU, name) for name in ("run13_kernels", "run14_side_by
                                                   "run16_host", "run19_unfused", "run20_dropout", "run22_zero3_w1", "run26_zero_units",
                                                   "run27_one_gpu", "run28_before_after", "run30_expandable",
                                                   "run34_moe_fidelity", "run40_moe_fidelity", "run42_host_medians",
-                                                  "run46_master_adamw", "run48_moe_graphs_rounds")]
+                                                  "run46_master_adamw", "run48_moe_graphs_rounds",
+                                                  "run49_grad_dtype")]
 # runs of code that has changed since: a plan prices the code as it is, so these are not compared
 SUPERSEDED = {
     "1b_zero3": "ZeRO-3 then kept a bf16 parameter shard and its gradient shards through the forward (4Ψ/N more)",
@@ -82,7 +85,8 @@ def measured_run(m: dict) -> RunConfig:
     model = GPTConfig(**{k: v for k, v in m["model"].items() if k != "n_params"})
     layout = Layout(**{k: v for k, v in m["layout"].items() if k not in ("world", "global_batch")})
     return RunConfig(model=model, layout=layout, dtype=m["run"]["dtype"], progress=False,
-                     fused_master_step=m["run"].get("fused_master_step", False))
+                     fused_master_step=m["run"].get("fused_master_step", False),
+                     grad_dtype=m["run"].get("grad_dtype"), bf16_copies=m["run"].get("bf16_copies", False))
 
 
 def layout_name(name: str) -> str:

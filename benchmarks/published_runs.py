@@ -131,11 +131,12 @@ def bloom() -> PublishedRun:
         "CUDA_LAUNCH_BLOCKING=1 (\"or the training will hang\"), which makes every launch wait for its kernel: not "
         "modelled (the chronicles-prequel measured it at -6% on 80 GPUs, none on 160). Six of its layers on one node "
         "plan at about the same error as this run (`bloom_one_node`). "
-        "Gradients reduced in float32 after the pipeline's schedule: DeepSpeed's bf16 optimizer, written for this "
-        "run, accumulates and reduces them in fp32 (microsoft/DeepSpeed pull request 1801, \"bf16+pipeline "
-        "parallelism\": \"fp32 reduction\"). The model card's 60 GB is the memory used on each GPU, the allocator's "
+        "Gradients accumulated and reduced in float32 after the pipeline's schedule (`grad_dtype`, `reduce_dtype`): "
+        "DeepSpeed's bf16 optimizer, written for this run, accumulates and reduces them in fp32 (microsoft/DeepSpeed "
+        "pull request 1801, \"bf16+pipeline parallelism\": \"fp32 reduction\"; its gradient buffers are float32, "
+        "the width of the masters). The model card's 60 GB is the memory used on each GPU, the allocator's "
         "cache and the CUDA context included; the plan's is the peak of what is allocated. " + _JEAN_ZAY,
-        memory_gb=60.0, memory_what="used per GPU (model card)", run={"grad_overlap": False, "reduce_dtype": "float32"},
+        memory_gb=60.0, memory_what="used per GPU (model card)", run={"grad_overlap": False, "reduce_dtype": "float32", "grad_dtype": "float32"},
         links=JEAN_ZAY)
 
 

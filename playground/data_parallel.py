@@ -78,6 +78,7 @@ def data_parallel(parts, stages, groups, run, device) -> tuple:
                                           exclude=others, grad_scale=g.scale, lr=run.lr, betas=run.betas,
                                           weight_decay=run.weight_decay, compute_dtype=torch_dtype(run.dtype),
                                           reduce_dtype=torch_dtype(run.reduce_dtype) if run.reduce_dtype else None,
+                                          grad_dtype=torch_dtype(run.grad_dtype) if run.grad_dtype else None,
                                           label=name, overlap=run.grad_overlap,
                                           replicate=g.replicate, accumulate=layout.pp > 1,
                                           finish_at_step=layout.pp > 1, fused_master_step=run.fused_master_step))

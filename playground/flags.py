@@ -287,7 +287,11 @@ def _training_flags(p, verb: str) -> None:
                    help="--dtype bfloat16 without --zero: bf16 compute copies of the weights with fp32 master weights "
                         "(ZeRO's engine at stage 0, as plan prices it) instead of autocast")
     t.add_argument("--reduce-dtype", choices=DTYPES,
-                   help="with --zero: the dtype gradients are reduced in (default: the compute dtype of --dtype)")
+                   help="with --zero: the dtype gradients are reduced in (default: the dtype they accumulate in)")
+    t.add_argument("--grad-dtype", choices=("float32",),
+                   help="beside bf16 or fp16 compute copies (--zero, --bf16-copies, or float16): accumulate the "
+                        "gradients in float32 buffers and reduce them in it (Megatron-LM's main grads; default: "
+                        "the compute dtype)")
     if verb != "plan":
         t.add_argument("--seed", type=whole(0), default=0, help="seed of the weights and of the data")
         t.add_argument("--data", help="'markov' (a synthetic chain with a known loss floor), a text file (read as "

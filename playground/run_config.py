@@ -31,7 +31,10 @@ class RunConfig:
     # bfloat16: float32 weights, bf16 compute (DDP: under autocast; ZeRO: bf16 compute copies);
     # float16: ZeRO's fp16 compute copies with dynamic loss scaling (stage 0 without --zero)
     dtype: str = "float32"
-    reduce_dtype: str | None = None  # ZeRO: the dtype gradients are reduced in (None: the compute dtype)
+    reduce_dtype: str | None = None  # ZeRO: the dtype gradients are reduced in (None: grad_dtype's)
+    # ZeRO beside compute copies: the dtype gradients accumulate in (None: the compute dtype;
+    # "float32": Megatron-LM's main grads, zero/zero.py)
+    grad_dtype: str | None = None
     seed: int = 0
     data: str | None = None  # None/"markov", or a path
     bucket_cap_mb: float = 25.0
@@ -85,6 +88,16 @@ class RunConfig:
                 raise ValueError(found)
         if self.bf16_copies and self.dtype != "bfloat16":
             raise ValueError(f"--bf16-copies keeps bf16 compute copies: it needs --dtype bfloat16, not {self.dtype}")
+        if self.grad_dtype is not None:
+            if self.grad_dtype != "float32":
+                raise ValueError(f"grad_dtype={self.grad_dtype!r}: gradients accumulate in float32 or, by default, "
+                                 f"the compute dtype")
+            if self.dtype not in ("bfloat16", "float16"):
+                raise ValueError(f"--grad-dtype float32 keeps float32 gradients beside 16-bit compute copies; with "
+                                 f"--dtype {self.dtype} the gradients are {self.dtype} already")
+            if self.dtype == "bfloat16" and not (layout.zero or self.bf16_copies):
+                raise ValueError("--grad-dtype float32: under bf16 autocast (no --zero, no --bf16-copies) the weights "
+                                 "and their gradients are float32 already")
         if self.save_every is not None and self.save_every < 1:
             raise ValueError(f"--save-every {self.save_every}: must be at least 1")
         if self.save_every is not None and not self.save:

@@ -180,7 +180,7 @@ def data_parallel_calls(run, layout: Layout) -> list:
     forward and the backward); under a pipeline they reduce once and 3 gathers once.
     Hybrid sharding adds the all-reduce of each reduced shard across the replicas."""
     cfg = run.model
-    wide, reduce_width = _width(run.dtype), _width(run.reduce_dtype or run.dtype)
+    wide, reduce_width = _width(run.dtype), _width(run.reduce_dtype or run.grad_dtype or run.dtype)
     local = _block_params(cfg, layout.tp) * cfg.n_layers // layout.pp
     shard_group = [j * layout.cp * layout.tp + c * layout.tp for j in range(layout.dp_shard) for c in range(layout.cp)]
     if len(shard_group) == 1:

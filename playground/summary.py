@@ -95,7 +95,7 @@ def _run_json(run) -> dict:
     return {
         "layout": layout,
         "model": {**run.model.to_dict(), "n_params": run.model.n_params()},
-        "run": {"steps": run.steps, "dtype": run.dtype, "reduce_dtype": run.reduce_dtype, "backend": run.backend,
+        "run": {"steps": run.steps, "dtype": run.dtype, "reduce_dtype": run.reduce_dtype, "grad_dtype": run.grad_dtype, "backend": run.backend,
                 "hardware": run.hardware, "compile": run.compile, "cuda_graphs": run.cuda_graphs,
                 "bf16_copies": run.bf16_copies, "fused_master_step": run.fused_master_step,
                 "grad_overlap": run.grad_overlap, "seed": run.seed, "lr": run.lr,
@@ -114,8 +114,9 @@ def train_json(res) -> dict:
     out["memory"] = []
     for r, v in enumerate(res.values):
         m = dict(v.get("memory") or {})
-        if "cuda_peak_allocated" in v:
-            m["cuda_peak_allocated"] = v["cuda_peak_allocated"]
+        for key in ("cuda_peak_allocated", "cuda_peak_reserved"):
+            if key in v:
+                m[key] = v[key]
         out["memory"].append({"rank": r, **m})
     out["communication"] = communication(res.ledger, steps)
     out["moe"] = [{str(k): v for k, v in st.items()} for st in res.moe_steps()] if run.model.n_experts else None

@@ -230,6 +230,9 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
     out["moe"] = [{i: st if isinstance(st, dict) else st.as_dict() for i, st in step.items()} for step in out["moe"]]
     if device.startswith("cuda"):  # to hold the accounting against what the allocator saw
         out["cuda_peak_allocated"] = torch.cuda.max_memory_allocated()
+        # what the caching allocator held at most (allocated, its cache and its fragments): what
+        # a GPU shows in use, less the CUDA context and NCCL's own buffers
+        out["cuda_peak_reserved"] = torch.cuda.max_memory_reserved()
     if collect:
         out.update(out_states)
         # the token groups this rank routes: its dp rank's microbatches of its cp rank's (and under

@@ -216,6 +216,63 @@ def test_gradients_reduced_in_float32_under_bfloat16_compute():
         _run(0, 2, "bfloat16", reduce_dtype="float32")
 
 
+def _accumulated(world, stage, grad_dtype, microbatches):
+    """A float32 linear layer under ZeRO with bf16 compute copies: its gradients summed over
+    `microbatches` microbatches (no_sync until the last), and each microbatch's own bf16
+    gradient as a plain bf16 copy of the layer computes it."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 48)
+    plain = torch.nn.Linear(64, 48).to(torch.bfloat16)
+    plain.load_state_dict(layer.state_dict())
+    z = ZeroDataParallel(layer, world, stage, compute_dtype=torch.bfloat16, grad_dtype=grad_dtype)
+    gen = torch.Generator().manual_seed(2)
+    each = []
+    for k in range(microbatches):
+        x = torch.randn(8, 64, generator=gen).to(torch.bfloat16)
+        with (contextlib.nullcontext() if k == microbatches - 1 else z.no_sync()):
+            z(x).float().pow(2).mean().backward()
+        plain.zero_grad()
+        plain(x).float().pow(2).mean().backward()
+        each.append({n: p.grad.double() for n, p in plain.named_parameters()})
+    exact = {n: sum(e[n] for e in each) for n in each[0]}
+    return [(pl, t, pl.local(exact[pl.name])) for pl, t in z.pieces("grad")]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gradients_accumulated_in_float32_keep_the_sum_of_many_microbatches(stage):
+    """grad_dtype float32 (Megatron-LM's main grads): the sum of 32 microbatches' bf16
+    gradients is exact to float32 rounding; accumulated in bf16 it is off by bf16's (the
+    same test on the default: it must fail there, or it proves nothing)."""
+    def worst(grad_dtype):
+        out = launch(_accumulated, 1, args=(stage, grad_dtype, 32)).values[0]
+        return max(float((t - want).abs().max() / want.abs().max()) for _, t, want in out)
+    assert worst(torch.float32) < 1e-6
+    assert worst(None) > 1e-4
+
+
+def test_float32_gradients_pass_the_check_and_are_counted_and_reduced_as_such():
+    """bf16 ZeRO-1/2/3 over 3 ranks with --grad-dtype float32 against one device; the
+    gradients are held (ZeRO-1: in full) in 4 bytes an element and reduced in float32."""
+    for stage in (1, 2, 3):
+        rep = check(_run(stage, 3, "bfloat16", microbatches=2, steps=2, grad_dtype="float32"))
+        assert rep.passed, (stage, [r for r in rep.rows if not r.ok])
+    bf16, fp32 = (train(_run(1, 2, "bfloat16", microbatches=1, steps=1, grad_dtype=g, hardware="h100-sxm"))
+                  for g in (None, "float32"))
+    assert fp32.values[0]["memory"]["gradients"] == 2 * bf16.values[0]["memory"]["gradients"]
+    grads = [e for e in fp32.ledger.for_rank(0) if e.label.startswith("zero.grads")]
+    assert grads and {e.dtype for e in grads} == {"float32"}
+
+
+def test_float32_gradients_need_compute_copies():
+    with pytest.raises(ValueError, match="float32 already"):
+        RunConfig(model=CFG, layout=Layout(dp=2), dtype="bfloat16", grad_dtype="float32")
+    with pytest.raises(ValueError, match="--dtype float32 the gradients are float32 already"):
+        RunConfig(model=CFG, layout=Layout(dp=2, zero=1), dtype="float32", grad_dtype="float32")
+    with pytest.raises(ValueError, match="grad_dtype='bfloat16'"):
+        RunConfig(model=CFG, layout=Layout(dp=2, zero=1), dtype="bfloat16", grad_dtype="bfloat16")
+    RunConfig(model=CFG, layout=Layout(dp=2), dtype="bfloat16", bf16_copies=True, grad_dtype="float32")
+
+
 def _new_mlp():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()

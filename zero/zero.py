@@ -25,9 +25,13 @@ stage:
   communication stream. The root unit is gathered from the start to the end of forward,
   and again from the start to the end of backward.
 
-Mixed precision: parameters and gradients in `compute_dtype` (the model runs in it), the
+Mixed precision: parameters and gradients in `compute_dtype` (the model runs in it; see below), the
 master weights and AdamW's states in the dtype the model was built in (fp32); gradients
-are reduced in `reduce_dtype` (default the compute dtype); fp16 gets dynamic loss
+accumulate in `grad_dtype` (default the compute dtype; float32: Megatron-LM's main grads,
+`--accumulate-allreduce-grads-in-fp32`, which it requires for bf16, and DeepSpeed's bf16
+optimizer: a microbatch's compute-dtype gradient added into a float32 buffer, so that a sum
+over many microbatches is not rounded to 8 bits at each add) and are reduced in
+`reduce_dtype` (default the gradients' dtype); fp16 gets dynamic loss
 scaling (`loss_scaler.py`). At stage 3 no compute-dtype copy of a shard is kept: each
 all-gather casts the master shard into its input (as FSDP2 does; the paper's 16Ψ/N
 becomes 14Ψ/N). The gradient shards of stages 2-3 are made by the step's first reduction
@@ -115,7 +119,7 @@ def unit_specs(module: nn.Module, units=(), exclude=()) -> list:
 class ZeroDataParallel(nn.Module):
     def __init__(self, module: nn.Module, group, stage: int, units=(), exclude=(), grad_scale: float = 1.0,
                  lr: float = 1e-3, betas=(0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, compute_dtype=None, reduce_dtype=None,
+                 eps: float = 1e-8, weight_decay: float = 1e-2, compute_dtype=None, reduce_dtype=None, grad_dtype=None,
                  loss_scaler: DynamicLossScaler | None = None, label: str = "zero",
                  overlap: bool = True, replicate=None, accumulate: bool = False, finish_at_step: bool = False,
                  fused_master_step: bool = True):
@@ -138,8 +142,12 @@ class ZeroDataParallel(nn.Module):
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None
         self.master_dtype = next(module.parameters()).dtype
         self.compute_dtype = compute_dtype or self.master_dtype
-        self.reduce_dtype = reduce_dtype or self.compute_dtype
         self.mixed = self.compute_dtype != self.master_dtype
+        self.grad_dtype = grad_dtype or self.compute_dtype  # the flat gradient buffers' dtype
+        if self.grad_dtype != self.compute_dtype and not self.mixed:
+            raise ValueError(f"grad_dtype={self.grad_dtype}: gradients accumulate in another dtype than the compute "
+                             f"dtype only beside compute copies (the model computes in {self.compute_dtype})")
+        self.reduce_dtype = reduce_dtype or self.grad_dtype
         if loss_scaler is None and self.compute_dtype == torch.float16:
             loss_scaler = DynamicLossScaler()
         self.scaler = loss_scaler
@@ -167,7 +175,7 @@ class ZeroDataParallel(nn.Module):
                 u.param_shard = None
                 u.master = full_master[u.lo:u.hi].clone() if self.mixed else u.flat[u.lo:u.hi]
             del u.initial
-            u.grad_flat = torch.zeros(u.padded, dtype=self.compute_dtype, device=u.flat.device) if stage < 2 else None
+            u.grad_flat = torch.zeros(u.padded, dtype=self.grad_dtype, device=u.flat.device) if stage < 2 else None
             u.grad_written = set()  # the parameters whose part of grad_flat holds this step's gradient
             u.grad_shard = None  # stages 2-3: made by the step's first reduction, freed by the optimizer step
             u.reduce = None  # (work, buffer) of the gradient reduction in flight
@@ -199,7 +207,7 @@ class ZeroDataParallel(nn.Module):
         elif self.stage == 1:
             g = u.grad_flat[u.lo:u.hi]
         else:
-            g = u.grad_shard if u.grad_shard is not None else torch.zeros(u.shard, dtype=self.compute_dtype,
+            g = u.grad_shard if u.grad_shard is not None else torch.zeros(u.shard, dtype=self.grad_dtype,
                                                                             device=u.flat.device)
         return g * self.grad_scale if self.grad_scale != 1.0 else g
 
@@ -305,7 +313,7 @@ class ZeroDataParallel(nn.Module):
 
     def _ensure_grad_flat(self, u) -> None:
         if u.grad_flat is None:  # (stages 2-3) its parts are written by _grad_arrived or _unit_ready
-            u.grad_flat = torch.empty(u.padded, dtype=self.compute_dtype, device=u.flat.device)
+            u.grad_flat = torch.empty(u.padded, dtype=self.grad_dtype, device=u.flat.device)
             u.grad_flat[u.numel:].zero_()  # the padding (flat_unit.py)
             u.grad_written.clear()
             self._buffer(u.grad_flat.nbytes, made=u.grad_flat)
@@ -338,7 +346,7 @@ class ZeroDataParallel(nn.Module):
 
     def _reduce(self, u) -> None:
         """Start the reduction of unit `u`'s gradient."""
-        buf = u.grad_flat if self.reduce_dtype == self.compute_dtype else u.grad_flat.to(self.reduce_dtype)
+        buf = u.grad_flat if self.reduce_dtype == self.grad_dtype else u.grad_flat.to(self.reduce_dtype)
         label = f"{self.label}.grads.{u.name}"
         if self.stage == 0:
             work = self.group.all_reduce(buf, op=ReduceOp.AVG, async_op=True, label=label)
@@ -374,7 +382,7 @@ class ZeroDataParallel(nn.Module):
         """Keep unit `u`'s reduced gradient from `buf` (its shard, at stages 1-3)."""
         if self.stage >= 2:
             if u.grad_shard is None:
-                u.grad_shard = buf[u.lo:u.hi].to(self.compute_dtype, copy=True)
+                u.grad_shard = buf[u.lo:u.hi].to(self.grad_dtype, copy=True)
                 self._step_gradients(u.grad_shard.nbytes, made=u.grad_shard)
             else:
                 u.grad_shard.add_(buf[u.lo:u.hi])
