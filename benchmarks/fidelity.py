@@ -27,8 +27,9 @@ checkpointing at micro-batch 4, three runs each, alternated: they take the place
 earlier ones) and run46_master_adamw (one H200: 1b-moe and its dense model, three alternated
 runs each with ZeRO's one-pass step with compute copies, `after`, and with the separate passes
 before it, `before`, each planned as it stepped) and run48_moe_graphs_rounds (one H200: 1b-moe as
-compiled regions, `moe`, with --cuda-graphs, `graphs`, planned without them: a plan prices no
-graph replay, and its dense model, `dense`, three alternated rounds, after ZeRO's gradients
+compiled regions, `moe_after`, with --cuda-graphs, `graphs`, planned without them: a plan
+prices no graph replay, and its dense model, `dense_after`, three alternated rounds, taking
+the place of run46's runs of those names, after ZeRO's gradients
 were copied into its flat buffer instead of zeroed and added; the earlier rows ran the
 latter and are planned as the code is now: about 1% shorter) and run49_grad_dtype (one H200:
 1b with its gradients in bf16 and in float32, `--grad-dtype float32`, two alternated rounds;
