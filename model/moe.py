@@ -586,10 +586,34 @@ class MoE(nn.Module):
             return self.dispatch(x, counts, self.experts)
         return self.experts(x, counts)
 
+    def _padded(self, x, r: Routing):
+        """The routed output (T, d) of the group's tokens x through expert parallelism at a
+        capacity C, in static shapes (`static_routing`'s rows; the dispatch's `padded`): each
+        kept row placed in its expert's next slot of E·C (row i of expert e's kept ones, in
+        the expert-major order, in slot e·C + i), the slots gathered from the tokens (a zero
+        row where an expert has fewer than C), sent and brought back, and each row's output
+        read from its slot (a dropped row from a zero row, its gate 0) and added to its token."""
+        c = self.config
+        T, d = x.shape
+        E, k, C = c.n_experts, c.top_k, capacity(c, T)
+        rows = torch.arange(T * k, device=x.device)
+        expert = r.chosen.reshape(-1).index_select(0, r.assignments)  # each row's expert
+        kept = r.routed.clamp(max=C)
+        first = torch.cumsum(kept, 0) - kept  # the row each expert's kept ones start at
+        slot = torch.where(rows < T * k - r.dropped, expert * C + rows - first.index_select(0, expert), E * C)
+        source = torch.full((E * C + 1,), T, dtype=torch.long, device=x.device).scatter_(0, slot, r.tokens)
+        x_slots = torch.cat([x, x.new_zeros(1, d)]).index_select(0, source[:E * C])
+        y = self.dispatch.padded(x_slots, C, self.experts)
+        y = torch.cat([y, y.new_zeros(1, y.shape[1])]).index_select(0, slot)
+        weighted = y.to(torch.promote_types(y.dtype, torch.float32)) * r.gates.unsqueeze(-1)
+        return combine_rows(weighted, r.tokens, k, token_slots(r.tokens, k, r.assignments)).to(y.dtype)
+
     def _group(self, x, routing: Routing):
         """The experts' outputs combined for the group's tokens x (T, d), the shared experts' added."""
         e = self.experts
-        if self.dispatch is None and grouped_mm_applies(x, e.w_gate):  # (one compiled region on a GPU)
+        if self.dispatch is not None and self.config.capacity_factor:
+            out = self._padded(x, routing)
+        elif self.dispatch is None and grouped_mm_applies(x, e.w_gate):  # (one compiled region on a GPU)
             io = self._experts_io(x.shape[0], routing.tokens.shape[0])
             out = region("moe_local_experts", io, local_experts, x, routing.tokens, routing.gates, routing.counts,
                          e.w_gate, e.w_up, e.w_down, self.config.top_k, routing.assignments,
@@ -623,13 +647,18 @@ class MoE(nn.Module):
         """route(), keeping the decision when recording (a layout's rank under the check)."""
         if not self.record or logits.is_meta:
             return route(logits, self.config, self.expert_bias)
+        scores, decision = self._keep_decision(logits)
+        return scores, routing(scores, decision, self.config)
+
+    def _keep_decision(self, logits):
+        """(scores, decision) of the group's logits, the decision kept for the check (`record`)."""
         scores = router_scores(logits, self.config)
         chosen_by = selection_scores(scores, self.expert_bias)
         decision = choose(chosen_by, self.config)
         if not self.recomputing:
             self.stats.decisions.append((chosen_by.to("cpu", copy=True),
                                          Decision(decision.experts.cpu(), decision.kept.cpu())))
-        return scores, routing(scores, decision, self.config)
+        return scores, decision
 
     def _replayed(self, logits, cell):
         """The reference's routing of one token group under `self.replay` (see `Replay`)."""
@@ -685,10 +714,14 @@ class MoE(nn.Module):
                 return _AddAuxLoss.apply(out.reshape(b, s, d), loss)
             logits = self.router(flat)
             # in static shapes (compiled on a GPU) unless recording, or sending tokens to other
-            # ranks with a capacity (the dispatch needs the compact kept rows and their sizes) or
-            # in a plan (the dispatch's sizes: balanced counts on the host)
+            # ranks dropless (the dispatch needs the compact rows and their sizes) in a plan (the
+            # dispatch's sizes: balanced counts on the host); with a capacity the dispatch is the
+            # padded one (`_padded`), in static shapes, recording too
             T, E, k = logits.shape[0], c.n_experts, c.top_k
-            if not self.record and (self.dispatch is None or not (c.capacity_factor or logits.is_meta)):
+            padded = self.dispatch is not None and c.capacity_factor
+            if padded and self.record and not logits.is_meta:
+                self._keep_decision(logits)  # (the same decision as static_routing's)
+            if padded or (not self.record and (self.dispatch is None or not logits.is_meta)):
                 io = T * E * (logits.element_size() + 4) + T * k * 20 + 4 * E * 8  # logits in; scores, rows out
                 scores, *fields = region("moe_routing", io, static_route, logits, self.expert_bias, c,
                                          checkpointed=self.checkpointed)

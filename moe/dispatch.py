@@ -13,6 +13,16 @@ of each expert's tokens. Then:
 3. the outputs are put back source-major and return by the reverse all-to-all
    (`moe.combine`); the layer then weighs them by their gates and adds them up.
 
+With a capacity C (GShard's own formulation) the sizes need not be exchanged at all
+(`ExpertParallelDispatch.padded`): each rank lays its kept assignments out in E·C slots,
+expert e's in slots [e·C, e·C + kept_e), the rest zero rows, and both all-to-alls are even,
+E/ep·C rows to every rank; the receiver regroups them expert-major (each local expert gets
+ep·C rows, from every source in turn). Nothing is read on the host (no counts exchange, no
+host sync: Megatron-Core's `moe_pad_expert_input_to_capacity`); a zero row's SwiGLU output is
+exactly zero and gives its expert no gradient, so the results are those of the uneven
+dispatch; each all-to-all moves (ep − 1)·E/ep·C rows × d × element size a rank, padding
+included.
+
 Both all-to-alls are autograd functions whose backward is the all-to-all with the splits
 swapped, so the experts' gradients sum the contributions of every source rank's tokens.
 Dropless routing uses the same exchanged counts for its uneven splits. Each all-to-all
@@ -77,3 +87,16 @@ class ExpertParallelDispatch:
         inverse = torch.empty_like(index)
         inverse[index] = torch.arange(index.numel(), device=index.device)
         return all_to_all(y[inverse], self.group, in_splits, out_splits, "moe.combine")  # source-major again
+
+    def padded(self, x, capacity: int, experts):
+        """x (E·C, d): the rank's rows in its experts' slots (`capacity` C each, zero rows where
+        an expert has fewer) -> the experts' outputs in the same slots; even all-to-alls only."""
+        ep, local, C = self.group.size, self.local, capacity
+        d, n = x.shape[1], self.local * capacity  # rows for each destination
+        got = all_to_all(x, self.group, [n] * ep, [n] * ep, "moe.dispatch")  # source-major
+        got = got.reshape(ep, local, C, d).transpose(0, 1).reshape(local * ep * C, d)
+        # on a GPU a device tensor (a list would be copied to it from the host)
+        per_expert = torch.full((local,), ep * C, dtype=torch.long, device=x.device) if x.is_cuda else [ep * C] * local
+        y = experts(got, per_expert)
+        y = y.reshape(local, ep, C, -1).transpose(0, 1).reshape(ep * n, -1)
+        return all_to_all(y.contiguous(), self.group, [n] * ep, [n] * ep, "moe.combine")

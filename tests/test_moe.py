@@ -213,12 +213,25 @@ def _zero_router_and_noisy_layout_logits(monkeypatch, scale=1e-15):
     real_init = init.init_full_parameter
     monkeypatch.setattr(init, "init_full_parameter", lambda name, shape, config, seed: torch.zeros(
         shape, dtype=torch.float64) if "router" in name else real_init(name, shape, config, seed))
-    real_route = MoE._route
+    _perturb_layout_logits(monkeypatch, lambda out, g: out + scale * torch.randn(out.shape, generator=g,
+                                                                                dtype=out.dtype))
 
-    def noisy(self, logits):
+
+def _perturb_layout_logits(monkeypatch, perturb):
+    """The router logits of every layout rank's MoE call (not the reference's) replaced by
+    perturb(logits, generator), the generator seeded by the layer and the call."""
+    real_forward = MoE.forward
+
+    def perturbed(self, x):
+        if self.groups is not None:  # the reference
+            return real_forward(self, x)
         g = torch.Generator().manual_seed(len(self.stats.decisions) * 1000 + self.index)
-        return real_route(self, logits + scale * torch.randn(logits.shape, generator=g, dtype=logits.dtype))
-    monkeypatch.setattr(MoE, "_route", noisy)
+        hook = self.router.register_forward_hook(lambda module, args, out: perturb(out, g))
+        try:
+            return real_forward(self, x)
+        finally:
+            hook.remove()
+    monkeypatch.setattr(MoE, "forward", perturbed)
 
 
 TIES = {"dp2-ep2-E4-k2": dict(dp=2, ep=2), "dp4-ep4-E8-k2": dict(dp=4, ep=4, model=BASE.with_(n_experts=8)),
@@ -242,13 +255,10 @@ def test_near_ties_broken_otherwise_by_the_layout_are_replayed_and_pass(name, mo
 def test_layouts_pass_with_their_router_logits_a_few_ulps_off(name, monkeypatch):
     """The layout's router logits moved by up to 4 units in their last place (as another
     machine's rounding moves them): the verdict stays PASS."""
-    real_route = MoE._route
-
-    def off(self, logits):
-        g = torch.Generator().manual_seed(len(self.stats.decisions) * 1000 + self.index)
+    def off(logits, g):
         ulps = torch.randint(-4, 5, logits.shape, generator=g).to(logits.dtype)
-        return real_route(self, logits + ulps * logits.abs() * torch.finfo(logits.dtype).eps / 2)
-    monkeypatch.setattr(MoE, "_route", off)
+        return logits + ulps * logits.abs() * torch.finfo(logits.dtype).eps / 2
+    _perturb_layout_logits(monkeypatch, off)
     rep = check(_run(**CASES[name]))
     assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
 
@@ -303,16 +313,25 @@ def test_the_check_catches_expert_gradients_averaged_by_the_smaller_group(monkey
 
 
 @pytest.mark.sabotage
-def test_the_check_catches_a_token_sent_to_the_wrong_expert(monkeypatch):
-    """The receiving rank cuts its tokens into its experts' batches with the counts in the
-    wrong order: tokens meet another expert than their router chose."""
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0], ids=["dropless", "capacity"])
+def test_the_check_catches_a_token_sent_to_the_wrong_expert(capacity_factor, monkeypatch):
+    """The receiving rank hands its experts each other's tokens: dropless, it cuts them into
+    its experts' batches with the counts in the wrong order; at a capacity (the padded
+    dispatch), each expert's ep·C rows go to the next expert."""
     import moe.dispatch as d
-    real = d.ExpertParallelDispatch.__call__
+    real, real_padded = d.ExpertParallelDispatch.__call__, d.ExpertParallelDispatch.padded
 
     def misrouted(self, x, counts, experts):
         return real(self, x, counts, lambda tokens, per_expert: experts(tokens, per_expert[::-1]))
+
+    def misrouted_padded(self, x, capacity, experts):
+        def swapped(rows, per_expert):
+            y = experts(rows.reshape(self.local, -1, rows.shape[1]).roll(1, 0).reshape(rows.shape), per_expert)
+            return y.reshape(self.local, -1, y.shape[1]).roll(-1, 0).reshape(y.shape)
+        return real_padded(self, x, capacity, swapped)
     monkeypatch.setattr(d.ExpertParallelDispatch, "__call__", misrouted)
-    rep = check(_run(steps=1, dp=2, ep=2, model=BASE.with_(n_experts=8)))
+    monkeypatch.setattr(d.ExpertParallelDispatch, "padded", misrouted_padded)
+    rep = check(_run(steps=1, dp=2, ep=2, model=BASE.with_(n_experts=8, capacity_factor=capacity_factor)))
     assert not rep.passed and rep.worst("loss").max_rel > 1e-6
 
 
@@ -329,22 +348,23 @@ def test_the_check_catches_router_gradients_not_summed_over_tensor_parallel_slic
 
 # -- ledger -----------------------------------------------------------------------------------------
 def test_all_to_all_bytes_are_the_tokens_routed_off_the_rank(monkeypatch):
-    """Per rank, layer and microbatch: the dispatch sends exactly the kept assignments routed
-    to experts on other ranks × d × element size (the combine sends them back), and the
-    counts exchange is an all-to-all of E integers under its own label."""
+    """Dropless, per rank, layer and microbatch: the dispatch sends exactly the assignments
+    routed to experts on other ranks × d × element size (the combine sends them back), and
+    the counts exchange is an all-to-all of E integers under its own label."""
     import threading
 
     import model.moe as mm
-    real = mm.route
+    real = mm.static_route
     seen: dict = {}
 
-    def spy(logits, c, bias=None):
-        probs, r = real(logits, c, bias)
-        seen.setdefault(threading.current_thread().name, []).append(r.counts.clone())
-        return probs, r
-    monkeypatch.setattr(mm, "route", spy)
-    ep, E, d, L = 2, BASE.n_experts, BASE.d_model, BASE.n_layers
-    res = train(_run(dtype="float32", steps=2, dp=2, ep=ep))
+    def spy(logits, bias, c):
+        out = real(logits, bias, c)
+        seen.setdefault(threading.current_thread().name, []).append(out[3].clone())  # the counts
+        return out
+    monkeypatch.setattr(mm, "static_route", spy)
+    model = BASE.with_(capacity_factor=0.0)
+    ep, E, d, L = 2, model.n_experts, model.d_model, model.n_layers
+    res = train(_run(dtype="float32", steps=2, dp=2, ep=ep, model=model))
     for r in range(2):
         counts = seen[f"sim-rank-{r}"]  # per microbatch, per layer, in order
         mine = range(r * E // ep, (r + 1) * E // ep)
@@ -356,6 +376,23 @@ def test_all_to_all_bytes_are_the_tokens_routed_off_the_rank(monkeypatch):
         assert forward == expected and len(dispatch) == 2 * len(expected)
         exchanges = [e for e in entries if e.label == "moe.counts"]
         assert len(exchanges) == len(counts) and {e.size for e in exchanges} == {E * 8}
+
+
+def test_at_a_capacity_the_all_to_alls_are_even_and_exchange_no_counts():
+    """With a capacity C (GShard): each rank sends every other rank its experts' C slots each,
+    padding included, (ep − 1)·E/ep·C rows × d × element size a dispatch and a combine, and
+    exchanges no counts (nothing for the host to wait for)."""
+    from model.moe import capacity
+    ep, E, d, L = 2, BASE.n_experts, BASE.d_model, BASE.n_layers
+    res = train(_run(dtype="float32", steps=2, dp=2, ep=ep))
+    C = capacity(BASE, 2 * BASE.seq_len)  # (micro-batch 2: the tokens one rank routes in a call)
+    for r in range(2):
+        entries = res.ledger.for_rank(r)
+        for label in ("moe.dispatch", "moe.combine"):
+            sent = {e.bytes_sent for e in entries if e.label == label}
+            assert sent == {(ep - 1) * E // ep * C * d * 4}, (label, sent)
+        assert not [e for e in entries if e.label == "moe.counts"]
+        assert len([e for e in entries if e.label == "moe.dispatch"]) == 2 * 2 * 2 * L  # fwd + bwd, 2 mb, 2 steps
 
 
 # -- running ----------------------------------------------------------------------------------------
