@@ -305,6 +305,30 @@ def local_experts(x, tokens, gates, counts, w_gate, w_up, w_down, k: int, assign
     return out.to(y.dtype)  # (under autocast the experts' dtype, as a dense MLP's)
 
 
+def to_slots(x, tokens, chosen, assignments, routed, dropped, E: int, k: int, C: int) -> tuple:
+    """(x_slots (E·C, d), slot (T·k,)): a token group's rows of `static_routing` (x (T, d) its
+    tokens) laid out in the experts' slots, C each (GShard): the i-th kept row of expert e
+    (in the expert-major order) in slot e·C + i, zero rows in the slots left over; `slot`
+    each row's slot, E·C (past the last) for a dropped one."""
+    T, d = x.shape
+    rows = torch.arange(T * k, device=x.device)
+    expert = chosen.reshape(-1).index_select(0, assignments)  # each row's expert
+    kept = routed.clamp(max=C)
+    first = torch.cumsum(kept, 0) - kept  # the row each expert's kept ones start at
+    slot = torch.where(rows < T * k - dropped, expert * C + rows - first.index_select(0, expert), E * C)
+    source = torch.full((E * C + 1,), T, dtype=torch.long, device=x.device).scatter_(0, slot, tokens)
+    return torch.cat([x, x.new_zeros(1, d)]).index_select(0, source[:E * C]), slot
+
+
+def from_slots(y, slot, gates, tokens, assignments, k: int):
+    """The token group's routed output (T, d) from its experts' outputs y (E·C, d) in their
+    slots (`to_slots`): each row's output read from its slot (a dropped row's from a zero
+    row; its gate is 0), weighed by its gate, and a token's k rows added (`combine_rows`)."""
+    y = torch.cat([y, y.new_zeros(1, y.shape[1])]).index_select(0, slot)
+    weighted = y.to(torch.promote_types(y.dtype, torch.float32)) * gates.unsqueeze(-1)
+    return combine_rows(weighted, tokens, k, token_slots(tokens, k, assignments)).to(y.dtype)
+
+
 def whole_layer(x, router, bias, w_gate, w_up, w_down, c, rows: int, scale: float) -> tuple:
     """(out, aux, z, loss, routed, dropped): a token group's router logits (x @ routerᵀ),
     routing (`static_route`), balancing losses (`balance_losses`, f_i from this group's counts
@@ -596,17 +620,13 @@ class MoE(nn.Module):
         c = self.config
         T, d = x.shape
         E, k, C = c.n_experts, c.top_k, capacity(c, T)
-        rows = torch.arange(T * k, device=x.device)
-        expert = r.chosen.reshape(-1).index_select(0, r.assignments)  # each row's expert
-        kept = r.routed.clamp(max=C)
-        first = torch.cumsum(kept, 0) - kept  # the row each expert's kept ones start at
-        slot = torch.where(rows < T * k - r.dropped, expert * C + rows - first.index_select(0, expert), E * C)
-        source = torch.full((E * C + 1,), T, dtype=torch.long, device=x.device).scatter_(0, slot, r.tokens)
-        x_slots = torch.cat([x, x.new_zeros(1, d)]).index_select(0, source[:E * C])
+        size, rows = x.element_size(), T * k
+        # (each a compiled region on a GPU: tokens in, slots out, the rows' indices; and back)
+        x_slots, slot = region("moe_pad", size * (T * d + E * C * d) + 8 * 5 * rows, to_slots, x, r.tokens,
+                               r.chosen, r.assignments, r.routed, r.dropped, E, k, C, checkpointed=self.checkpointed)
         y = self.dispatch.padded(x_slots, C, self.experts)
-        y = torch.cat([y, y.new_zeros(1, y.shape[1])]).index_select(0, slot)
-        weighted = y.to(torch.promote_types(y.dtype, torch.float32)) * r.gates.unsqueeze(-1)
-        return combine_rows(weighted, r.tokens, k, token_slots(r.tokens, k, r.assignments)).to(y.dtype)
+        return region("moe_unpad", size * (E * C * d + 2 * 2 * rows * d + T * d) + 8 * 3 * rows, from_slots, y, slot,
+                      r.gates, r.tokens, r.assignments, k, checkpointed=self.checkpointed)
 
     def _group(self, x, routing: Routing):
         """The experts' outputs combined for the group's tokens x (T, d), the shared experts' added."""

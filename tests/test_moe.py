@@ -395,6 +395,33 @@ def test_at_a_capacity_the_all_to_alls_are_even_and_exchange_no_counts():
         assert len([e for e in entries if e.label == "moe.dispatch"]) == 2 * 2 * 2 * L  # fwd + bwd, 2 mb, 2 steps
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the regions are compiled on a GPU only")
+def test_the_padded_dispatch_regions_compiled_on_a_gpu_give_what_the_cpu_does():
+    """The padded dispatch's regions around the all-to-alls (`to_slots`, `from_slots`), as
+    torch.compile runs them on a GPU, against the same ops op by op on the CPU in float32:
+    the slots, the routed output and the gradients of the tokens and the gates."""
+    from model.moe import capacity, from_slots, static_route, to_slots
+    c = BASE.with_(n_experts=8)
+    g = torch.Generator().manual_seed(0)
+    T, d = 64, c.d_model
+    x0, logits0 = torch.randn(T, d, generator=g), torch.randn(T, c.n_experts, generator=g)
+    w0 = torch.randn(d, d, generator=g)
+    C = capacity(c, T)
+    out = {}
+    for device in ("cpu", "cuda"):
+        x = x0.to(device, copy=True).requires_grad_()
+        logits = logits0.to(device, copy=True).requires_grad_()
+        _, tokens, gates, counts, routed, dropped, chosen, assignments = static_route(logits, None, c)
+        slots, slot = mm.region("moe_pad", 0, to_slots, x, tokens, chosen, assignments, routed, dropped,
+                                c.n_experts, c.top_k, C)
+        y = mm.region("moe_unpad", 0, from_slots, slots @ w0.to(device), slot, gates, tokens, assignments, c.top_k)
+        y.pow(2).sum().backward()
+        out[device] = [t.detach().cpu() for t in (slots, slot, y, x.grad, logits.grad)]
+    for name, a, b in zip(("slots", "slot", "output", "token grad", "gate grad"), out["cpu"], out["cuda"]):
+        # float32 rounding apart, relative to each tensor's largest element (on an H200: 3e-7)
+        assert (b.double() - a.double()).abs().max() <= 1e-5 * a.double().abs().max(), name
+
+
 # -- running ----------------------------------------------------------------------------------------
 def test_simulated_time_counts_every_step_of_an_moe_run(capsys):
     run = RunConfig(model=BASE, layout=Layout(dp=2, ep=2, micro_batch_size=2), steps=4, hardware="h100-sxm",
