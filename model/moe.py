@@ -733,10 +733,10 @@ class MoE(nn.Module):
                 self._record(aux, z, routed, dropped)
                 return _AddAuxLoss.apply(out.reshape(b, s, d), loss)
             logits = self.router(flat)
-            # in static shapes (compiled on a GPU) unless recording, or sending tokens to other
-            # ranks dropless (the dispatch needs the compact rows and their sizes) in a plan (the
-            # dispatch's sizes: balanced counts on the host); with a capacity the dispatch is the
-            # padded one (`_padded`), in static shapes, recording too
+            # in static shapes (compiled on a GPU), except when recording for the check or, in a
+            # plan, sending tokens dropless to other ranks (the uneven dispatch's sizes: balanced
+            # counts on the host); at a capacity the dispatch is the padded one (`_padded`), in
+            # static shapes always, the decision kept apart when recording
             T, E, k = logits.shape[0], c.n_experts, c.top_k
             padded = self.dispatch is not None and c.capacity_factor
             if padded and self.record and not logits.is_meta:
