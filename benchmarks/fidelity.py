@@ -33,7 +33,8 @@ the place of run46's runs of those names, after ZeRO's gradients
 were copied into its flat buffer instead of zeroed and added; the earlier rows ran the
 latter and are planned as the code is now: about 1% shorter) and run49_grad_dtype (one H200:
 1b with its gradients in bf16 and in float32, `--grad-dtype float32`, two alternated rounds;
-a Llama-3-shaped 3B without and with full recomputation: `3b_single`, `3b-acfull_single`), plans the same model and layout on that profile (simulator/profiles/h200.json)
+a Llama-3-shaped 3B without and with full recomputation: `3b_single`, `3b-acfull_single`),
+plans the same model and layout on that profile (simulator/profiles/h200.json)
 and prints, per layout: the measured median step (steps after the first; a layout run again
 in the same call, named `_2`, `_3` after it, the median of its runs' medians: a host-bound
 step varies from run to run by more than one run's steps do) against the planned step, and

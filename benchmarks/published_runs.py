@@ -136,7 +136,8 @@ def bloom() -> PublishedRun:
         "pull request 1801, \"bf16+pipeline parallelism\": \"fp32 reduction\"; its gradient buffers are float32, "
         "the width of the masters). The model card's 60 GB is the memory used on each GPU, the allocator's "
         "cache and the CUDA context included; the plan's is the peak of what is allocated. " + _JEAN_ZAY,
-        memory_gb=60.0, memory_what="used per GPU (model card)", run={"grad_overlap": False, "reduce_dtype": "float32", "grad_dtype": "float32"},
+        memory_gb=60.0, memory_what="used per GPU (model card)",
+        run={"grad_overlap": False, "reduce_dtype": "float32", "grad_dtype": "float32"},
         links=JEAN_ZAY)
 
 

@@ -610,6 +610,11 @@ class MoE(nn.Module):
             return self.dispatch(x, counts, self.experts)
         return self.experts(x, counts)
 
+    def _pads(self) -> bool:
+        """Whether its tokens go to other ranks' experts through the padded dispatch (expert
+        parallelism at a capacity)."""
+        return self.dispatch is not None and bool(self.config.capacity_factor)
+
     def _padded(self, x, r: Routing):
         """The routed output (T, d) of the group's tokens x through expert parallelism at a
         capacity C, in static shapes (`static_routing`'s rows; the dispatch's `padded`): each
@@ -631,7 +636,7 @@ class MoE(nn.Module):
     def _group(self, x, routing: Routing):
         """The experts' outputs combined for the group's tokens x (T, d), the shared experts' added."""
         e = self.experts
-        if self.dispatch is not None and self.config.capacity_factor:
+        if self._pads():
             out = self._padded(x, routing)
         elif self.dispatch is None and grouped_mm_applies(x, e.w_gate):  # (one compiled region on a GPU)
             io = self._experts_io(x.shape[0], routing.tokens.shape[0])
@@ -738,7 +743,7 @@ class MoE(nn.Module):
             # counts on the host); at a capacity the dispatch is the padded one (`_padded`), in
             # static shapes always, the decision kept apart when recording
             T, E, k = logits.shape[0], c.n_experts, c.top_k
-            padded = self.dispatch is not None and c.capacity_factor
+            padded = self._pads()
             if padded and self.record and not logits.is_meta:
                 self._keep_decision(logits)  # (the same decision as static_routing's)
             if padded or (not self.record and (self.dispatch is None or not logits.is_meta)):

@@ -92,7 +92,7 @@ class ExpertParallelDispatch:
         """x (E·C, d): the rank's rows in its experts' slots (`capacity` C each, zero rows where
         an expert has fewer) -> the experts' outputs in the same slots; even all-to-alls only."""
         ep, local, C = self.group.size, self.local, capacity
-        d, n = x.shape[1], self.local * capacity  # rows for each destination
+        d, n = x.shape[1], local * C  # rows for each destination
         got = all_to_all(x, self.group, [n] * ep, [n] * ep, "moe.dispatch")  # source-major
         got = got.reshape(ep, local, C, d).transpose(0, 1).reshape(local * ep * C, d)
         # on a GPU a device tensor (a list would be copied to it from the host)

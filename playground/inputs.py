@@ -255,7 +255,8 @@ def run_config(args, typed: set):
         args.resume = args.save if os.path.exists(os.path.join(args.save, "index.json")) else None
     run = RunConfig(model=cfg, layout=layout, steps=getattr(args, "steps", None) or DEFAULT_STEPS.get(verb, 3),
                     lr=lr if lr is not None else DEFAULT_LR[args.model], dtype=args.dtype or DEFAULT_DTYPE[verb],
-                    reduce_dtype=args.reduce_dtype, grad_dtype=getattr(args, "grad_dtype", None), seed=getattr(args, "seed", 0), data=getattr(args, "data", None),
+                    reduce_dtype=args.reduce_dtype, grad_dtype=getattr(args, "grad_dtype", None),
+                    seed=getattr(args, "seed", 0), data=getattr(args, "data", None),
                     bucket_cap_mb=args.bucket_mb, grad_overlap=not args.no_grad_overlap, backend=backend,
                     progress=not getattr(args, "no_progress", verb == "check"), hardware=hardware,
                     count_every_step=getattr(args, "count_every_step", False), save=getattr(args, "save", None),

@@ -95,7 +95,8 @@ def _run_json(run) -> dict:
     return {
         "layout": layout,
         "model": {**run.model.to_dict(), "n_params": run.model.n_params()},
-        "run": {"steps": run.steps, "dtype": run.dtype, "reduce_dtype": run.reduce_dtype, "grad_dtype": run.grad_dtype, "backend": run.backend,
+        "run": {"steps": run.steps, "dtype": run.dtype, "reduce_dtype": run.reduce_dtype, "grad_dtype": run.grad_dtype,
+                "backend": run.backend,
                 "hardware": run.hardware, "compile": run.compile, "cuda_graphs": run.cuda_graphs,
                 "bf16_copies": run.bf16_copies, "fused_master_step": run.fused_master_step,
                 "grad_overlap": run.grad_overlap, "seed": run.seed, "lr": run.lr,

@@ -84,10 +84,12 @@ def master_adamw(optimizer: torch.optim.AdamW, grads: list, copies: list) -> Non
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         states.append(state)
     torch._foreach_add_([s["step"] for s in states], 1)
-    # every unit steps together (one count), so one pair of corrections serves them all
-    corrections = _bias_corrections(states[0]["step"], beta1, beta2, lr) if states else ()
+    if not states:
+        return
+    # every unit steps together (one count), so one pair of corrections serves them all (a
+    # plan's counts are on the CPU, its masters on meta: moved once)
+    step_size, root = (c.to(params[0].device) for c in _bias_corrections(states[0]["step"], beta1, beta2, lr))
     for p, g, copy, s in zip(params, grads, copies, states):
-        step_size, root = (c.to(p.device) for c in corrections)  # (a plan's counts are on the CPU)
         # what it moves: master and moments read and written, the gradient read, the copy written
         io = 6 * p.nbytes + g.nbytes + copy.nbytes
         region("master_adamw", io, _update, p, g, s["exp_avg"], s["exp_avg_sq"], copy, step_size, root, lr, beta1,
