@@ -106,6 +106,25 @@ class Placement:
                 t = c.apply(t)
         return t
 
+    def region(self, full: torch.Tensor):
+        """(the view of `full` that the local tensor's real elements sit in, (dim, length) that
+        cuts the local tensor's padding off, or None), where the cuts are views: slices, and
+        flat ranges of a contiguous slice; else None (a flat range of a strided slice, a cut
+        of padding), and `index` maps element by element."""
+        v, pad = full, None
+        for c in self.cuts:
+            if pad is not None:
+                return None
+            if isinstance(c, Shard):
+                v = v.narrow(c.dim, c.start, c.stop - c.start)
+                if c.length > c.stop - c.start:
+                    pad = (c.dim, c.stop - c.start)
+            elif v.is_contiguous() and c.stop <= v.numel():
+                v = v.view(-1)[c.start:c.stop]
+            else:
+                return None
+        return v, pad
+
     def __str__(self) -> str:
         return f"{self.name}{list(self.shape)}" + "".join(f" {c}" for c in self.cuts)
 
@@ -142,17 +161,28 @@ def assemble(per_rank: list) -> tuple[dict, list]:
                 problems.append(f"rank {rank}: {pl.name}{list(t.shape)} does not fit its placement {pl} "
                                 f"(local shape {list(pl.local_shape)})")
                 continue
-            idx = pl.index().reshape(-1)
-            real = idx >= 0
-            idx, vals = idx[real], t.reshape(-1)[real]
-            target, seen = full[pl.name].view(-1), covered[pl.name].view(-1)
-            both = seen[idx]
-            if both.any() and not torch.equal(target[idx][both], vals[both]):
-                diff = (target[idx][both] - vals[both]).abs().max().item()
+            region = pl.region(full[pl.name])
+            if region is not None:  # (views: no index map of the full tensor's size)
+                target, pad = region
+                seen = pl.region(covered[pl.name])[0]
+                vals = t if pad is None else t.narrow(pad[0], 0, pad[1])
+                old = target
+            else:
+                idx = pl.index().reshape(-1)
+                real = idx >= 0
+                idx, vals = idx[real], t.reshape(-1)[real]
+                target, seen = full[pl.name].view(-1), covered[pl.name].view(-1)
+                old, seen = target[idx], seen[idx]
+            if seen.any() and not torch.equal(old[seen], vals[seen]):
+                diff = (old[seen] - vals[seen]).abs().max().item()
                 problems.append(f"rank {rank}: its copy of {pl.name} differs from another rank's "
                                 f"by up to {diff:.3g} (replicas must be equal)")
-            target[idx] = vals
-            seen[idx] = True
+            if region is not None:
+                target.copy_(vals)
+                seen.fill_(True)
+            else:
+                target[idx] = vals
+                covered[pl.name].view(-1)[idx] = True
     for name, seen in covered.items():
         if not seen.all():
             problems.append(f"{name}: {int((~seen).sum())} of {seen.numel()} elements are held by no rank")

@@ -186,15 +186,11 @@ def _bounds(pl: Placement) -> tuple:
 
 def _paste(full: torch.Tensor, pl: Placement, t: torch.Tensor) -> None:
     """Write the local tensor t of placement pl into the full tensor."""
-    cuts = pl.cuts
-    if not cuts:
-        full.copy_(t)
-    elif len(cuts) == 1 and isinstance(cuts[0], Flat):
-        full.view(-1)[cuts[0].start:cuts[0].stop] = t.reshape(-1)
-    elif len(cuts) == 1:
-        s = cuts[0]
-        full.narrow(s.dim, s.start, s.stop - s.start).copy_(t.narrow(s.dim, 0, s.stop - s.start))
-    else:  # compositions: through the index map
+    region = pl.region(full)
+    if region is not None:
+        target, pad = region
+        target.copy_(t if pad is None else t.narrow(pad[0], 0, pad[1]))
+    else:  # compositions that are no view: through the index map
         idx = pl.index().reshape(-1)
         mask = idx >= 0
         full.view(-1)[idx[mask]] = t.reshape(-1)[mask]
