@@ -15,6 +15,10 @@ of its kernels on every stream), of which NCCL kernels and compute alone, the de
 idle time, the kernels launched and the host's time blocked in CUDA synchronisation.
 A device idle while the host never blocks is a host-bound step: the host's time per
 launch (the window over the launches) is then the step's cost per kernel.
+
+`--device-only` records the device alone (CUPTI's kernels and copies, no host op: the full
+profiler costs the host tens of µs a launch, so it makes any step host-bound): over `--last`
+steps after `--skip` + 1, the device's period, busy and idle time per step.
 """
 import argparse
 import os
@@ -172,6 +176,47 @@ def python_profile(a, target, args) -> None:
             f.write(f"== {title}\n{text.getvalue()}\n")
 
 
+def device_profile(a, target, args) -> None:
+    """`--device-only`: CUPTI's record of the device alone (no host op is recorded, so the host
+    runs as it does unprofiled: the full profiler costs it tens of µs a launch), over `--last`
+    steps after `--skip`, cut at the optimizer steps; from rank 0, NAME.txt: per step, the
+    device's period (its first kernel to its last over the window), its busy time (the union
+    of its kernels and copies on every stream) and its idle time, and the kernels launched.
+    The host's own time per step is the train JSON's (step_times less host_blocked)."""
+    from torch.profiler import schedule
+    import playground.rank_program as rank_program
+    activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU  # (a CPU: no device)
+    with profile(activities=[activity], schedule=schedule(wait=a.skip, warmup=1, active=a.last, repeat=1)) as prof:
+        update = rank_program.RankProgram.update
+
+        def update_and_mark(self):
+            update(self)
+            prof.step()
+        rank_program.RankProgram.update = update_and_mark
+        try:
+            target()
+        except SystemExit:
+            pass
+        finally:
+            rank_program.RankProgram.update = update
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    device = [(e.start_ns(), e.start_ns() + e.duration_ns(), e.name()) for e in prof.profiler.kineto_results.events()
+              if e.device_type().name != "CPU"]
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, f"{a.name}.txt"), "w") as f:
+        f.write(f"{a.side}: {' '.join(args)}\n")
+        if not device:
+            f.write("device only: no device events recorded\n")
+            return
+        d0, d1 = min(d[0] for d in device), max(d[1] for d in device)
+        busy = union([(s, e) for s, e, _ in device])
+        ms = lambda ns: ns / a.last / 1e6  # noqa: E731  (per step)
+        f.write(f"device only, {a.last} steps after {a.skip + 1}: per step: device period {ms(d1 - d0):.2f} ms, "
+                f"busy {ms(busy):.2f} ms, idle {ms(d1 - d0 - busy):.2f} ms, {len(device) / a.last:.0f} kernels "
+                f"and copies\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -182,6 +227,10 @@ def main() -> None:
                     help="profile the host's Python instead (cProfile over the whole run: where the host's time "
                          "per step goes when the step is host-bound); writes NAME.txt with the functions by own "
                          "time and this repository's by cumulative time")
+    ap.add_argument("--device-only", action="store_true",
+                    help="record the device alone (CUPTI, no host ops: the host runs at its unprofiled speed), over "
+                         "--last steps after --skip; writes NAME.txt with the device's period, busy and idle time")
+    ap.add_argument("--skip", type=int, default=4, help="with --device-only: steps before the window, less one")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     args = a.args[1:] if a.args[:1] == ["--"] else a.args
@@ -193,6 +242,8 @@ def main() -> None:
         sys.argv = ["gpu_side_by_side.py"] + args
     if a.python:
         return python_profile(a, target, args)
+    if a.device_only:
+        return device_profile(a, target, args)
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         try:
