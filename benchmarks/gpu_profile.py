@@ -189,8 +189,8 @@ def device_profile(a, target, args) -> None:
     with profile(activities=[activity], schedule=schedule(wait=a.skip, warmup=1, active=a.last, repeat=1)) as prof:
         update = rank_program.RankProgram.update
 
-        def update_and_mark(self):
-            update(self)
+        def update_and_mark(self, *args):
+            update(self, *args)
             prof.step()
         rank_program.RankProgram.update = update_and_mark
         try:

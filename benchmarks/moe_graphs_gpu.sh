@@ -12,9 +12,7 @@
 # `deviceonly`, 12 steps of each with the device alone recorded over 5 of them
 # (benchmarks/gpu_profile.py --device-only: no host op recorded, so the host runs as unprofiled):
 # 1b-moe with --bf16-copies --cuda-graphs and its dense model with --bf16-copies twice in turn, then
-# once 1b-moe with --bf16-copies, and the autocast command graphed and not; `nanoff`, so, the
-# graphed 1b-moe twice, its dense model and the autocast command, each with the default check of
-# the gradients before the optimizer step and with --on-nan off, in turn.
+# once 1b-moe with --bf16-copies, and the autocast command graphed and not.
 # Logs and JSON in $LOGS, packed into $OUT/gpu_logs.tgz.
 set -uo pipefail
 rounds=${1:-3}; extra=${2:-}
@@ -61,14 +59,6 @@ profile() {  # name, playground args...
   echo "== $name: $(grep -i 'per step\|host:\|device:' "$LOGS/$name.txt" 2>/dev/null | head -3 | tr '\n' ' ')"
   tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .
 }
-device_profile() {  # name, playground args...: the device alone (CUPTI) over 5 steps after 5, and the run's JSON
-  local name=$1; shift
-  timeout 300 torchrun --nproc_per_node 1 benchmarks/gpu_profile.py --out "$LOGS" --name "$name" --side playground \
-    --device-only --skip 4 --last 5 -- train "$@" --dtype bfloat16 --steps 12 --micro-batch-size 4 --backend torch \
-    --no-progress --json "$LOGS/$name.json" 2>&1 | grep -v "^W1" > "$LOGS/$name.log"
-  echo "== $name: $(grep -h 'throughput\|device only' "$LOGS/$name.log" "$LOGS/$name.txt" 2>/dev/null | tr '\n' ' ')"
-  tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .
-}
 graphs_copies=(--model 1b-moe --bf16-copies --cuda-graphs)
 dense_copies=(--model 1b-moe --model-config n_experts=0,d_ff=5472 --bf16-copies)
 if [[ ",$extra," == *,deviceonly,* ]]; then  # copies graphed and not, the dense model, the autocast command
@@ -79,16 +69,6 @@ if [[ ",$extra," == *,deviceonly,* ]]; then  # copies graphed and not, the dense
   device_profile dev_moe_copies_1 --model 1b-moe --bf16-copies
   device_profile dev_moe_autocast_1 --model 1b-moe
   device_profile dev_graphs_autocast_1 --model 1b-moe --cuda-graphs
-fi
-if [[ ",$extra," == *,nanoff,* ]]; then  # each with the gradients' check (the default) and without, in turn
-  for r in 1 2; do
-    device_profile dev_graphs_copies_nan_$r "${graphs_copies[@]}"
-    device_profile dev_graphs_copies_nanoff_$r "${graphs_copies[@]}" --on-nan off
-  done
-  device_profile dev_dense_copies_nan_1 "${dense_copies[@]}"
-  device_profile dev_dense_copies_nanoff_1 "${dense_copies[@]}" --on-nan off
-  device_profile dev_moe_autocast_nan_1 --model 1b-moe
-  device_profile dev_moe_autocast_nanoff_1 --model 1b-moe --on-nan off
 fi
 [[ ",$extra," == *,noprofile,* ]] || profile profile_graphs --model 1b-moe --cuda-graphs
 [[ ",$extra," == *,noprofile,* || ",$extra," == *,noprofile2,* ]] || profile profile_moe --model 1b-moe
