@@ -108,6 +108,10 @@ def train_summary(res) -> str:
         lines.append(schedule_table(run.layout))
     if run.hardware:
         lines.append(simulated_time(res))
+    elif run.backend == "sim":
+        lines.append("\nsimulated time: --hardware h100-sxm (or a100-80gb, h200) times the step on those GPUs: its "
+                     "compute, the host, exposed communication" + (", the pipeline's bubble" if run.layout.pp > 1 else "")
+                     + " and the activations in memory")
     if res.values[0].get("memory"):
         lines.append(memory_table(res))
     lines.append("\ncommunication per rank per step (from the ledger):")
@@ -199,8 +203,14 @@ def schedule_table(layout) -> str:
     """The pipeline schedule each rank runs, as a table (compute actions; long ones cut)."""
     text = schedule_text(build_schedule(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages))
     lines = [ln if len(ln) <= 160 else ln[:157] + "..." for ln in text.splitlines()]
-    return (f"\npipeline schedule {layout.schedule} (F forward, B backward, I input grad, W weight grad; "
-            f"microbatch.chunk):\n" + "\n".join(lines))
+    out = (f"\npipeline schedule {layout.schedule} (F forward, B backward, I input grad, W weight grad; "
+           f"microbatch.chunk):\n" + "\n".join(lines))
+    p, m = layout.pp, layout.microbatches
+    if m < p:  # (GPipe's and 1F1B's bubble, Narayanan et al. 2021, section 2.2)
+        out += (f"\n{m} microbatch{'es' if m > 1 else ''} for {p} stages: each stage idles while the others work (a bubble of "
+                f"(p - 1)/(m + p - 1) = {(p - 1) / (m + p - 1):.0%} of the step); --microbatches {4 * p} fills the "
+                f"pipeline")
+    return out
 
 
 def simulated_time(res) -> str:

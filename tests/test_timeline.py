@@ -108,3 +108,16 @@ def test_plan_json_and_plots_at_scale_stay_bounded(tmp_path, cli):
         assert width <= 3200 and height <= 2600, (name, width, height)
     d = json.loads((tmp_path / "p.json").read_text())
     assert len(d["per_rank"]) == 1024
+
+
+def test_a_learners_run_says_how_to_see_the_simulated_step_and_the_bubble_of_too_few_microbatches():
+    """`train --pp 2` with one microbatch and no --hardware: the report names the bubble of its
+    schedule ((p-1)/(m+p-1), Narayanan et al. 2021) and the flag that times the step on a GPU;
+    with --hardware and enough microbatches, neither line."""
+    from playground.report import train_summary
+    bare = train_summary(train(RunConfig(model=preset("tiny"), layout=Layout(pp=2, dp=2), steps=2, progress=False)))
+    assert "1 microbatch for 2 stages" in bare and "= 50% of the step" in bare and "--microbatches 8" in bare
+    assert "simulated time: --hardware h100-sxm" in bare and "the pipeline's bubble" in bare
+    full = train_summary(train(RunConfig(model=preset("tiny"), layout=Layout(pp=2, microbatches=4), steps=2,
+                                         hardware="h100-sxm", progress=False)))
+    assert "microbatch for" not in full and "simulated time: --hardware" not in full and "simulated on h100-sxm" in full
