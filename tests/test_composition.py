@@ -41,7 +41,10 @@ def _assert_passed(rep):
     assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("dp3-tp2-zero3", "dp2-tp2-pp2-zero1-sp")
+# (the default tier: ZeRO-3 with TP, with and without SP, and the pipelines; ZeRO-1 and 2 with TP
+# repeat stage 3's axes, as the sabotages below do)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("dp3-tp2-zero3", "dp2-tp2-pp2-zero1-sp",
+                                                                                   "dp2-tp2-zero1", "dp2-tp2-zero2")
                                   else n for n in COMPOSITIONS])
 def test_composition_matches_one_device(name):
     rep = check(_run(**COMPOSITIONS[name]))
@@ -101,7 +104,8 @@ SABOTAGE = {
 
 
 @pytest.mark.sabotage
-@pytest.mark.parametrize("name,sabotage", [pytest.param(n, s, marks=pytest.mark.slow) if n == "dp2-tp2-pp2-zero1-sp"
+@pytest.mark.parametrize("name,sabotage", [pytest.param(n, s, marks=pytest.mark.slow)
+                                            if n in ("dp2-tp2-pp2-zero1-sp", "dp2-tp2-zero1", "dp2-tp2-zero2")
                                             else (n, s) for n, ss in SABOTAGE.items() for s in ss],
                          ids=lambda x: x if isinstance(x, str) else x.__name__.strip("_"))
 def test_sabotaged_composition_fails_the_check(name, sabotage, monkeypatch):

@@ -93,7 +93,7 @@ LAYOUTS = {
 
 # (the default tier keeps one of each kind: these repeat a sibling's axes at another size or schedule)
 SLOW_LAYOUTS = {"dp2-cp2-tp2-pp2", "pp2-cp2-interleaved", "ring-cp4-zigzag", "ring-cp4-contiguous", "ulysses-cp4",
-                "pp2-cp2-zb1", "pp2-cp2-gpipe", "cp2-dp2-zero2-ulysses"}
+                "pp2-cp2-zb1", "pp2-cp2-gpipe", "cp2-dp2-zero2-ulysses", "ring-cp2-contiguous", "cp2-zero1"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n for n in LAYOUTS])

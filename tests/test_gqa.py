@@ -9,7 +9,8 @@ from playground import Layout, LayoutError, RunConfig, check, train
 GQA = preset("tiny", vocab_size=61, n_kv_heads=2)  # 4 query heads, 2 key/value heads
 
 
-@pytest.mark.parametrize("axes", [dict(dp=2), dict(tp=2), dict(tp=2, sequence_parallel=True, dp=2, zero=3),
+@pytest.mark.parametrize("axes", [pytest.param(dict(dp=2), marks=pytest.mark.slow), dict(tp=2),
+                                  dict(tp=2, sequence_parallel=True, dp=2, zero=3),
                                   dict(cp=2), dict(cp=2, cp_impl="ulysses"),
                                   pytest.param(dict(cp=2, tp=2), marks=pytest.mark.slow),  # (cp and tp apart above)
                                   dict(pp=2, microbatches=2), dict(cp=2, dp=2, model=preset("tiny", vocab_size=61,

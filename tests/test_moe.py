@@ -54,7 +54,7 @@ CASES = {
 
 # (the default tier keeps one of each kind: these repeat a sibling's axes at another size)
 SLOW_CASES = {"dp2-tp2-pp2-ep2-sp", "ep4-E4-k2", "ep4-E8-k1-dropless", "pp2-ep2-zb1", "dp2-cp2-ep4", "moe-every-2-pp2",
-              "ep4-E8-k2", "dp4-ep2", "ep2-tp2-sp", "pp2-ep2"}
+              "ep4-E8-k2", "dp4-ep2", "ep2-tp2-sp", "pp2-ep2", "ep2-zero1", "ep1-tp2-sp"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CASES else n for n in CASES])

@@ -38,13 +38,12 @@ def test_the_test_model_has_uneven_shards():
 
 
 def _stage_cases():
-    """(stage, dp, dtype): float64 at every dp; float32 (its looser tolerance) at dp 3 in the
-    default tier, at the others in the slow one, with dp 4 and 8 (dp 2 is the power of two
-    the default tier keeps)."""
+    """(stage, dp, dtype): the default tier holds float64 at dp 1 and 2 and float32 (its
+    looser tolerance) at dp 3, the uneven shards; the slow tier the others, with dp 4 and 8."""
     for stage in (1, 2, 3):
         for dtype in ("float64", "float32"):
             for dp in (1, 2, 3, 4, 8):
-                slow = dp in (4, 8) or (dtype == "float32" and dp != 3)
+                slow = dp in (4, 8) or (dtype == "float32") != (dp == 3)
                 yield pytest.param(stage, dp, dtype, marks=pytest.mark.slow) if slow else (stage, dp, dtype)
 
 
