@@ -147,6 +147,31 @@ def set_placement(param: torch.Tensor, placement: Placement) -> None:
     param.placement = placement
 
 
+def elements(pl: Placement, full: torch.Tensor, t: torch.Tensor) -> tuple:
+    """(the elements of `full` that the local tensor `t` of placement `pl` holds, `t`'s values
+    of them), alike in shape: views where the cuts are views (`Placement.region`), else copies
+    through the index map (padding left out)."""
+    region = pl.region(full)
+    if region is not None:
+        target, pad = region
+        return target, t if pad is None else t.narrow(pad[0], 0, pad[1])
+    idx = pl.index().reshape(-1)
+    real = idx >= 0
+    return full.view(-1)[idx[real]], t.reshape(-1)[real]
+
+
+def paste(pl: Placement, full: torch.Tensor, t: torch.Tensor) -> None:
+    """Write the local tensor `t` of placement `pl` into `full` (its padding left out)."""
+    region = pl.region(full)
+    if region is not None:
+        target, pad = region
+        target.copy_(t if pad is None else t.narrow(pad[0], 0, pad[1]))
+    else:  # (no view: through the index map)
+        idx = pl.index().reshape(-1)
+        real = idx >= 0
+        full.view(-1)[idx[real]] = t.reshape(-1)[real]
+
+
 def assemble(per_rank: list) -> tuple[dict, list]:
     """Full tensors from every rank's [(Placement, tensor)]; returns (full, problems):
     elements no rank holds, tensors that do not fit their placement, and replicas that
@@ -161,28 +186,14 @@ def assemble(per_rank: list) -> tuple[dict, list]:
                 problems.append(f"rank {rank}: {pl.name}{list(t.shape)} does not fit its placement {pl} "
                                 f"(local shape {list(pl.local_shape)})")
                 continue
-            region = pl.region(full[pl.name])
-            if region is not None:  # (views: no index map of the full tensor's size)
-                target, pad = region
-                seen = pl.region(covered[pl.name])[0]
-                vals = t if pad is None else t.narrow(pad[0], 0, pad[1])
-                old = target
-            else:
-                idx = pl.index().reshape(-1)
-                real = idx >= 0
-                idx, vals = idx[real], t.reshape(-1)[real]
-                target, seen = full[pl.name].view(-1), covered[pl.name].view(-1)
-                old, seen = target[idx], seen[idx]
+            old, vals = elements(pl, full[pl.name], t)
+            seen = elements(pl, covered[pl.name], t)[0]
             if seen.any() and not torch.equal(old[seen], vals[seen]):
                 diff = (old[seen] - vals[seen]).abs().max().item()
                 problems.append(f"rank {rank}: its copy of {pl.name} differs from another rank's "
                                 f"by up to {diff:.3g} (replicas must be equal)")
-            if region is not None:
-                target.copy_(vals)
-                seen.fill_(True)
-            else:
-                target[idx] = vals
-                covered[pl.name].view(-1)[idx] = True
+            paste(pl, full[pl.name], t)
+            paste(pl, covered[pl.name], torch.ones(t.shape, dtype=torch.bool))
     for name, seen in covered.items():
         if not seen.all():
             problems.append(f"{name}: {int((~seen).sum())} of {seen.numel()} elements are held by no rank")

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from model.config import GPTConfig
-from model.placement import Flat, Placement, Shard, placement_from_dict, placement_to_dict
+from model.placement import Flat, Placement, Shard, paste, placement_from_dict, placement_to_dict
 
 FORMAT, VERSION = "playground-checkpoint", 1
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -184,18 +184,6 @@ def _bounds(pl: Placement) -> tuple:
     return 0, numel  # (conservative)
 
 
-def _paste(full: torch.Tensor, pl: Placement, t: torch.Tensor) -> None:
-    """Write the local tensor t of placement pl into the full tensor."""
-    region = pl.region(full)
-    if region is not None:
-        target, pad = region
-        target.copy_(t if pad is None else t.narrow(pad[0], 0, pad[1]))
-    else:  # compositions that are no view: through the index map
-        idx = pl.index().reshape(-1)
-        mask = idx >= 0
-        full.view(-1)[idx[mask]] = t.reshape(-1)[mask]
-
-
 class Reader:
     """Assembles tensors of the reference from a checkpoint's pieces, reading each piece only
     when it overlaps what is asked; a piece saved with exactly the asked placement is read
@@ -234,7 +222,7 @@ class Reader:
             t = self._read(p)
             if full is None:
                 full = torch.zeros(pl.shape, dtype=t.dtype)
-            _paste(full, pl, t)
+            paste(pl, full, t)
         if full is None:
             raise CheckpointError(f"{self.folder}: no piece of {kind} {name} covers elements [{lo}, {hi})")
         self._cache = {key: (lo, hi, full)}  # one full tensor at a time
