@@ -186,7 +186,13 @@ def device_profile(a, target, args) -> None:
     from torch.profiler import schedule
     import playground.rank_program as rank_program
     activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU  # (a CPU: no device)
-    with profile(activities=[activity], schedule=schedule(wait=a.skip, warmup=1, active=a.last, repeat=1)) as prof:
+    device = []
+
+    def record(p):  # the window's events, when it closes
+        device.extend((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()) for e in p.profiler.kineto_results.events()
+                      if e.device_type().name != "CPU" or activity == ProfilerActivity.CPU)
+    with profile(activities=[activity], schedule=schedule(wait=a.skip, warmup=1, active=a.last, repeat=1),
+                 on_trace_ready=record) as prof:
         update = rank_program.RankProgram.update
 
         def update_and_mark(self, *args):
@@ -201,8 +207,6 @@ def device_profile(a, target, args) -> None:
             rank_program.RankProgram.update = update
     if int(os.environ.get("RANK", "0")) != 0:
         return
-    device = [(e.start_ns(), e.start_ns() + e.duration_ns(), e.name()) for e in prof.profiler.kineto_results.events()
-              if e.device_type().name != "CPU"]
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"{a.name}.txt"), "w") as f:
         f.write(f"{a.side}: {' '.join(args)}\n")
@@ -214,7 +218,65 @@ def device_profile(a, target, args) -> None:
         ms = lambda ns: ns / a.last / 1e6  # noqa: E731  (per step)
         f.write(f"device only, {a.last} steps after {a.skip + 1}: per step: device period {ms(d1 - d0):.2f} ms, "
                 f"busy {ms(busy):.2f} ms, idle {ms(d1 - d0 - busy):.2f} ms, {len(device) / a.last:.0f} kernels "
-                f"and copies\n")
+                f"and copies\n\n")
+        f.write(device_gaps(device, a.last) + "\n")
+
+
+def kernel(name: str) -> str:
+    """A kernel's name short enough to read: its function without templates and arguments."""
+    if name.startswith(("Memcpy", "Memset")):
+        return name
+    name = name.split("(")[0]
+    while "<" in name:  # innermost template arguments first
+        cut = max(name.rfind("<", 0, name.find(">")) if ">" in name else -1, 0)
+        end = name.find(">", cut)
+        name = name[:cut] + name[end + 1:] if end > cut else name[:cut]
+    return name.replace("void ", "").strip()[:80]
+
+
+def device_gaps(device: list, last: int, top: int = 25) -> str:
+    """Where the device idles, from its events alone ((start, end, name), ns): each gap of over
+    5 µs between the end of everything run so far and the next event's start, summed per step
+    by the kernel that ends it (the one the device waited for) and by the pair around it;
+    their sizes (many short gaps: a stretch of kernels shorter than their launches; a few
+    long ones: the host stopped, at a synchronisation or in work of its own); and their place
+    in the step (the window cut into `last` periods of equal length, each into tenths)."""
+    device = sorted(device)
+    d0, d1 = device[0][0], max(e for _, e, _ in device)
+    period = (d1 - d0) / last
+    by_after: dict = {}
+    by_pair: dict = {}
+    sizes = {"5-20 µs": [0, 0.0], "20-100 µs": [0, 0.0], "0.1-1 ms": [0, 0.0], "over 1 ms": [0, 0.0]}
+    tenths = [0.0] * 10
+    reach, before = None, None
+    for start, end, name in device:
+        if reach is not None and start - reach > 5000:
+            gap = start - reach
+            after = kernel(name)
+            by_after[after] = by_after.get(after, [0, 0.0])
+            by_after[after][0] += 1
+            by_after[after][1] += gap
+            pair = f"{before} -> {after}"
+            by_pair[pair] = by_pair.get(pair, [0, 0.0])
+            by_pair[pair][0] += 1
+            by_pair[pair][1] += gap
+            key = "5-20 µs" if gap < 20e3 else "20-100 µs" if gap < 100e3 else "0.1-1 ms" if gap < 1e6 else "over 1 ms"
+            sizes[key][0] += 1
+            sizes[key][1] += gap
+            tenths[min(9, int(10 * ((reach - d0) % period) / period))] += gap
+        if reach is None or end > reach:
+            reach, before = end, kernel(name)
+    per = lambda ns: ns / last / 1e6  # noqa: E731  (ms per step)
+    lines = [f"device idle per step in gaps over 5 µs: {per(sum(v[1] for v in sizes.values())):.2f} ms",
+             "  by size: " + ", ".join(f"{k}: {v[0] / last:.1f} gaps, {per(v[1]):.2f} ms" for k, v in sizes.items()),
+             "  by tenth of the step: " + " ".join(f"{per(t):.2f}" for t in tenths) + " ms",
+             "  by the kernel ending the gap (gaps a step, ms a step):"]
+    lines += [f"    {n / last:6.1f} {per(ns):8.3f} ms  {k}" for k, (n, ns) in
+              sorted(by_after.items(), key=lambda kv: -kv[1][1])[:top]]
+    lines.append("  by the kernels before and after the gap:")
+    lines += [f"    {n / last:6.1f} {per(ns):8.3f} ms  {k[:150]}" for k, (n, ns) in
+              sorted(by_pair.items(), key=lambda kv: -kv[1][1])[:top]]
+    return "\n".join(lines)
 
 
 def main() -> None:

@@ -12,7 +12,9 @@
 # `deviceonly`, 12 steps of each with the device alone recorded over 5 of them
 # (benchmarks/gpu_profile.py --device-only: no host op recorded, so the host runs as unprofiled):
 # 1b-moe with --bf16-copies --cuda-graphs and its dense model with --bf16-copies twice in turn, then
-# once 1b-moe with --bf16-copies, and the autocast command graphed and not.
+# once 1b-moe with --bf16-copies, and the autocast command graphed and not; `gaps`, the same record
+# of 1b-moe with --bf16-copies --cuda-graphs, its dense model and the first with --on-nan off, twice
+# in turn (NAME.txt then says where in the step the device idles and which kernels it waits for).
 # Logs and JSON in $LOGS, packed into $OUT/gpu_logs.tgz.
 set -uo pipefail
 rounds=${1:-3}; extra=${2:-}
@@ -69,6 +71,13 @@ if [[ ",$extra," == *,deviceonly,* ]]; then  # copies graphed and not, the dense
   device_profile dev_moe_copies_1 --model 1b-moe --bf16-copies
   device_profile dev_moe_autocast_1 --model 1b-moe
   device_profile dev_graphs_autocast_1 --model 1b-moe --cuda-graphs
+fi
+if [[ ",$extra," == *,gaps,* ]]; then  # the device's gaps: graphed copies, the dense model, graphed without the NaN check
+  for r in 1 2; do
+    device_profile gaps_graphs_copies_$r "${graphs_copies[@]}"
+    device_profile gaps_dense_copies_$r "${dense_copies[@]}"
+    device_profile gaps_graphs_nonan_$r "${graphs_copies[@]}" --on-nan off
+  done
 fi
 [[ ",$extra," == *,noprofile,* ]] || profile profile_graphs --model 1b-moe --cuda-graphs
 [[ ",$extra," == *,noprofile,* || ",$extra," == *,noprofile2,* ]] || profile profile_moe --model 1b-moe
