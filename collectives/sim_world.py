@@ -112,7 +112,7 @@ class SimWorld:
             slot.arrived += 1
             ready = slot.arrived == n
             if self.time_model is not None:
-                call.ready = self.time_model.issued(call.rank, key, _replay_tag(call))
+                call.ready = self.time_model.issued(call.rank, key, _replay_tag(call), alone=len(call.group) == 1)
             if ready:
                 del self.pending[(key, seq)]
                 if self.time_model is not None:
@@ -165,7 +165,7 @@ class SimWorld:
         with self.mutex:
             self._raise_if_aborted()
             if self.time_model is not None:
-                call.ready = self.time_model.issued(call.rank, stream, _replay_tag(call))
+                call.ready = self.time_model.issued(call.rank, stream, _replay_tag(call), alone=len(call.group) == 1)
                 self._time(slot, stream)
             slot.done = True
         return slot
@@ -251,7 +251,7 @@ class SimWorld:
             cls, msg = slot.error
             raise cls(msg)
         if slot.end is not None:
-            self.time_model.waited(rank, slot.start, slot.end, call.label)
+            self.time_model.waited(rank, slot.start, slot.end, call.label, alone=len(call.group) == 1)
 
     def _wake(self, rank: int) -> None:
         """Under the mutex: release a blocked rank (once)."""

@@ -21,9 +21,10 @@ class TimeModel:
         """Wraps the program of `rank` in its thread (e.g. op counting)."""
         return contextlib.nullcontext()
 
-    def issued(self, rank: int, stream, tag) -> float:
+    def issued(self, rank: int, stream, tag, alone: bool = False) -> float:
         """When a call `rank` issues now could start on `stream` (`tag` describes the call:
-        op, label, dtype, shape, splits)."""
+        op, label, dtype, shape, splits; `alone`: its group is this rank alone, whose calls
+        the torch backend does itself, with no call to torch.distributed)."""
         return 0.0
 
     def schedule(self, op: str, size: int, group: tuple, members: list, stream) -> tuple:
@@ -32,8 +33,9 @@ class TimeModel:
         bytes per rank where the chosen algorithm is not the ring, else None."""
         return 0.0, 0.0, None, None
 
-    def waited(self, rank: int, start: float, end: float, label: str | None = None) -> None:
-        """`rank` waited for a call (labelled `label`) that ran over [start, end]."""
+    def waited(self, rank: int, start: float, end: float, label: str | None = None, alone: bool = False) -> None:
+        """`rank` waited for a call (labelled `label`) that ran over [start, end] (`alone`: as
+        `issued`'s)."""
 
     def rank_finished(self, rank: int) -> None:
         """The program of `rank` returned."""

@@ -177,9 +177,28 @@ class TorchProcessGroup(ProcessGroup):
         return None, None
 
     def _issue(self, call) -> Work:
+        if self.size == 1 and call.op not in ("send", "recv"):
+            return self._alone(call)
         times, start = self._timing([call])
         work = self._start(call)
         return TorchWork([work], [call], self._origin, times, start, self._timeout)
+
+    def _alone(self, call) -> Work:
+        """A collective over this rank alone, done here and complete at once: its result is its
+        input (a reduction or a broadcast leaves the tensor as it is; a gather, scatter or
+        exchange copies its input into its output). NCCL would launch a copy and a kernel for
+        that identity, behind a host path longer than the device's work, and the run-ahead
+        bound (`DeviceTimes`) would stop the host at every third call: on one GPU, once per
+        data-parallel bucket at the end of every backward (benchmarks/results/gpu/run53)."""
+        t = {k: (b.obj if b is not None else None) for k, b in call.bufs.items()}
+        call.entry.start = time.perf_counter() - self._origin
+        if call.op in ("all_gather", "reduce_scatter", "all_to_all", "scatter", "gather"):
+            out, inp = t["out"], t["inp"]
+            if out.data_ptr() != inp.data_ptr():
+                out.view(-1).copy_(inp.reshape(-1))
+        elif call.op in ("broadcast_object", "all_gather_object"):
+            call.obj = [call.obj]
+        return TorchWork([None], [call], self._origin, None, None, self._timeout)
 
     def _issue_batch(self, calls) -> list:
         if not calls:

@@ -175,9 +175,11 @@ class RankClock:
     def occupy(self, stream, end: float) -> None:
         self.streams[stream] = end
 
-    def wait(self, start: float, end: float, pipeline: bool = False) -> None:
+    def wait(self, start: float, end: float, pipeline: bool = False, in_flight: bool = True) -> None:
         """Compute waits for a call that ran over [start, end]; `pipeline`: a send or receive
-        between pipeline stages, whose idle is the pipeline's bubble (Huang et al. 2019)."""
+        between pipeline stages, whose idle is the pipeline's bubble (Huang et al. 2019);
+        `in_flight=False`: a call the backend did not hand to the device's queue (a group of
+        one rank), which the run-ahead bound does not count."""
         self._event("wait")
         if self.overlap_slowdown and (start, end) not in self.charged and min(end, self.now) > start:
             # the compute since the call started ran beside it (see the module docstring)
@@ -199,6 +201,8 @@ class RankClock:
             self._span("exposed", None, max(start, self.now), end)
             self.exposed += end - max(start, self.now)
             self.now = end
+        if not in_flight:
+            return
         self.in_flight.append(self.now)
         if len(self.in_flight) > MAX_IN_FLIGHT:  # the host waits until the device passes the oldest
             passed = self.in_flight.popleft()

@@ -43,9 +43,10 @@ class SimulatedTime(TimeModel):
     def rank_context(self, rank: int):
         return self.ranks[rank].compute_model
 
-    def issued(self, rank: int, stream, tag) -> float:
+    def issued(self, rank: int, stream, tag, alone: bool = False) -> float:
         clock = self.ranks[rank].clock
-        clock.issue_call(self.hardware.call_floor)
+        if not alone:  # a group of one rank costs the host nothing (the torch backend's `_alone`)
+            clock.issue_call(self.hardware.call_floor)
         return clock.ready(stream, tag)
 
     def schedule(self, op, size, group, members, stream):
@@ -56,10 +57,10 @@ class SimulatedTime(TimeModel):
             self.ranks[rank].clock.occupy(stream, end)
         return start, end, algorithm, bytes_per_rank(op, algorithm, size, group, self.hardware)
 
-    def waited(self, rank, start, end, label=None) -> None:
+    def waited(self, rank, start, end, label=None, alone: bool = False) -> None:
         # a pipeline's sends and receives, and the broadcast of its loss from the last stage
         pipeline = label is not None and (label.startswith("pp.") or label == "metrics.loss_pp")
-        self.ranks[rank].clock.wait(start, end, pipeline=pipeline)
+        self.ranks[rank].clock.wait(start, end, pipeline=pipeline, in_flight=not alone)
 
     def rank_view(self, rank: int) -> RankTiming:
         return self.ranks[rank]

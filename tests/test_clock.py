@@ -84,6 +84,35 @@ def test_a_call_costs_the_host_its_floor():
     assert PROFILES["h100-datasheet"].call_floor == PROFILES["h100-datasheet"].kernel_floor
 
 
+def test_a_call_on_a_group_of_one_rank_costs_the_host_nothing():
+    """The torch backend does a group of one rank's calls itself (no call reaches
+    torch.distributed, none is in flight): a one-rank world's all-reduces add neither the
+    call floor nor a wait for the device behind a long kernel, and the short ops after them
+    keep the host's lead; the same calls on a two-rank world pay both."""
+    hw = dataclasses.replace(PROFILES["h100-datasheet"], collective_floor=300e-6)
+    a = torch.empty(8192, 8192, dtype=torch.bfloat16, device="meta")
+    x = torch.empty(16, device="meta")
+
+    def fn(world):
+        clock = world.timing.clock
+        world.timing.compute_model.synchronize()
+        t0, i0, h0 = clock.now, clock.issuing, clock.host
+        a @ a
+        for _ in range(4):
+            world.all_reduce(torch.empty(16, device="meta"), async_op=True).wait()
+        for _ in range(20):
+            x + 1
+        return clock.now - t0, clock.issuing - i0, clock.host - h0
+    kernel = 2 * 8192 ** 3 / (hw.peak_bf16_flops * hw.matmul_fraction)
+    (alone, issuing, host), = launch(fn, 1, time_model=SimulatedTime(hw)).values
+    assert issuing == pytest.approx(21 * hw.kernel_floor) and host == pytest.approx(hw.kernel_floor)
+    assert kernel < alone - hw.kernel_floor < kernel + 20 * hw.kernel_floor  # the small ops issued during the kernel
+    for elapsed, issuing, host in launch(fn, 2, time_model=SimulatedTime(hw)).values:
+        assert issuing == pytest.approx(21 * hw.kernel_floor + 4 * hw.collective_floor)
+        assert host > 10 * hw.kernel_floor  # behind the third call the host waited for the device
+        assert elapsed > alone + 10 * hw.kernel_floor
+
+
 def test_recv_completes_no_earlier_than_the_send():
     size = 8 * 2**20
 

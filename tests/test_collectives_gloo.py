@@ -48,6 +48,16 @@ def failing(world):
     world.all_reduce(torch.zeros(1))
 
 
+@pytest.mark.parametrize("n,kind,dtype", [
+    (1, "world", "float64"),  # a group of one rank does each op itself, without the backend
+    pytest.param(3, "subgroup", "float32", marks=pytest.mark.slow),  # rank 1 alone, ranks 0 and 2 together
+])
+def test_gloo_group_of_one_matches_sim(n, kind, dtype):
+    sim = launch(all_ops, n, args=(kind, dtype))
+    gloo = launch(all_ops, n, backend="gloo", args=(kind, dtype))
+    _compare(sim, gloo, dtype)
+
+
 @pytest.mark.slow
 def test_gloo_rank_failure_is_reported():
     with pytest.raises(RankFailedError, match="rank 1 raised ValueError: boom on rank 1") as info:
