@@ -33,7 +33,12 @@ the place of run46's runs of those names, after ZeRO's gradients
 were copied into its flat buffer instead of zeroed and added; the earlier rows ran the
 latter and are planned as the code is now: about 1% shorter) and run49_grad_dtype (one H200:
 1b with its gradients in bf16 and in float32, `--grad-dtype float32`, two alternated rounds;
-a Llama-3-shaped 3B without and with full recomputation: `3b_single`, `3b-acfull_single`),
+a Llama-3-shaped 3B without and with full recomputation: `3b_single`, `3b-acfull_single`) and
+run55_one_gpu_rows (one H200, after collectives over one rank stopped going through NCCL: 350m,
+1b-moe as compiled regions and graphed, its dense model, three or two alternated rounds, and
+350m under ZeRO-3 at dp 1, taking the place of the earlier runs of those names; the other
+one-GPU rows measured the code before, whose buckets each cost an NCCL call the plans no
+longer price),
 plans the same model and layout on that profile (simulator/profiles/h200.json)
 and prints, per layout: the measured median step (steps after the first; a layout run again
 in the same call, named `_2`, `_3` after it, the median of its runs' medians: a host-bound
@@ -70,7 +75,7 @@ MEASURED = [os.path.join(GPU, name) for name in ("run13_kernels", "run14_side_by
                                                   "run27_one_gpu", "run28_before_after", "run30_expandable",
                                                   "run34_moe_fidelity", "run40_moe_fidelity", "run42_host_medians",
                                                   "run46_master_adamw", "run48_moe_graphs_rounds",
-                                                  "run49_grad_dtype")]
+                                                  "run49_grad_dtype", "run55_one_gpu_rows")]
 # runs of code that has changed since: a plan prices the code as it is, so these are not compared
 SUPERSEDED = {
     "1b_zero3": "ZeRO-3 then kept a bf16 parameter shard and its gradient shards through the forward (4Ψ/N more)",
