@@ -48,7 +48,9 @@ against the planned peak, with the relative error of each; and the
 planned step's split into compute, host (the device waiting for the host to issue
 kernels: the compute model's two queues), exposed communication and idle. And the host's
 own time per step: measured (from run16 on: the step's wall time less the time the host
-waited for the device in the torch backend's run-ahead bound, `host_blocked_s`) against
+waited for the device in the torch backend's run-ahead bound, `host_blocked_s`; one-GPU runs
+from run55 on wait in no bound, so there it is the whole step; later runs also count the NaN
+check's read of its flags) against
 planned (the floors of the ops and calls it issued: `issuing`): where they agree and
 the step is still off, the device side is. Writes JSON.
 

@@ -175,7 +175,9 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
             if not timing:  # (on simulated time the compute model slows the rank's kernels)
                 faults.straggle(step + 1, time.perf_counter() - t_work)
             faults.corrupt(model, step + 1)
-            found = rank.nonfinite(total)
+            t_check = time.perf_counter()
+            found = rank.nonfinite(total)  # (on a GPU its read of the flags waits for the device)
+            checked = time.perf_counter() - t_check if device.startswith("cuda") else 0.0
             if found and run.on_nan == "stop":
                 raise NonFiniteError(f"step {step + 1}: {found}; stopped before the optimizer step (--on-nan skip "
                                      f"skips such a step)")
@@ -207,7 +209,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
             else:
                 out["losses"].append(total.item())
         out["step_times"].append(time.perf_counter() - t0)
-        out["host_blocked"].append(world.host_blocked() - blocked0)
+        out["host_blocked"].append(world.host_blocked() - blocked0 + checked)
         if progress is not None and world.rank == 0:
             progress.step_ended(step + 1, clock.breakdown()["time"] if clock else None)
         if run.save and ((step + 1) % (run.save_every or run.steps) == 0 or step == run.steps - 1):
