@@ -292,9 +292,11 @@ def points(layout, n_layers: int, gpus_per_node: int, uneven: bool = False) -> t
     m ≥ 2p) and whose neighbours sit on other nodes at any depth (dp·cp·tp a multiple of
     a node), else its own. k: k0 and k0 + 1 (k0 = 3 under ZeRO-3, else 1). m: from m0 (1
     without a pipeline, 2 under ZeRO-2/3, whose gradient shards, made by the first
-    microbatch's backward, are held through the later forwards; the largest p, interleaved
-    twice that), the next count the schedule allows at every p (interleaved: a multiple of
-    each p). `uneven`: stages of blocks given one by one, which no other depth or block
+    microbatch's backward, are held through the later forwards; the largest p plus one, the
+    first count with a steady phase: at m = p a 1F1B schedule is its warm-up and cool-down
+    alone, and the host's lead over the device there differs from the steady phase's, which
+    each further microbatch repeats; interleaved twice the largest p), the next count the
+    schedule allows at every p (interleaved: a multiple of each p). `uneven`: stages of blocks given one by one, which no other depth or block
     count holds: p and k are the layout's own, m alone is extrapolated."""
     p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
     k = n_layers // (p * v)
@@ -304,7 +306,7 @@ def points(layout, n_layers: int, gpus_per_node: int, uneven: bool = False) -> t
     deep = p > 3 and busy and (layout.dp * layout.cp * layout.tp) % gpus_per_node == 0 and not uneven
     for ps in ([(2, 3)] if deep else []) + [(p,)]:
         step = math.lcm(*ps) if v > 1 else 1
-        m0 = (2 if layout.zero >= 2 else 1) if p == 1 else 2 * max(ps) if v > 1 else max(ps)
+        m0 = (2 if layout.zero >= 2 else 1) if p == 1 else 2 * max(ps) if v > 1 else max(ps) + 1
         m0 = -(-m0 // step) * step
         ms = (m0, m0 + step) if m > m0 + step else (m,)
         if all(mm % step == 0 for mm in ms):  # (interleaved: every point a multiple of each p)
