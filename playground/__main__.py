@@ -4,12 +4,13 @@ still being imported (cli.main handles it from then on, ranks included)."""
 import os
 import sys
 
-from playground.interrupts import by_interrupt
+from playground.interrupts import by_interrupt, interrupts_never_ignored
 
 
 def main() -> int:
     try:
-        from .cli import main as command
+        with interrupts_never_ignored(lambda: "playground"):
+            from .cli import main as command
         return command()
     except BaseException as e:  # (before cli.main took over: importing it, or torch inside it)
         if isinstance(e, SystemExit) or not by_interrupt(e):

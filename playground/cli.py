@@ -18,7 +18,7 @@ import sys
 import threading
 
 from .flags import given, parse
-from .interrupts import by_interrupt
+from .interrupts import by_interrupt, interrupts_never_ignored
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
@@ -102,7 +102,8 @@ def main(argv=None) -> int:
         argv = sys.argv[1:] if argv is None else list(argv)
         args = parse(argv)
         verb = f"playground {args.verb}"
-        code = _main(args, given(argv))
+        with interrupts_never_ignored(lambda: verb):  # (importing torch, for one)
+            code = _main(args, given(argv))
         return code
     except Exception as e:  # noqa: BLE001
         if by_interrupt(e):  # (Ctrl-C while a class was being defined: playground/interrupts.py)

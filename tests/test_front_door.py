@@ -121,6 +121,26 @@ def test_ctrl_c_stops_a_simulated_run_with_one_line_and_status_130(after):
     assert err.strip() in ("playground train: interrupted", "playground: interrupted"), err
 
 
+def test_ctrl_c_that_python_would_ignore_stops_the_command_too():
+    """A KeyboardInterrupt raised where Python only prints exceptions ("Exception ignored in":
+    the import system's module-lock callback while torch imports, a `__del__`) was lost, and
+    the run went on; within `interrupts_never_ignored` it stops the process as an answered
+    Ctrl-C does, and any other ignored exception is still only printed."""
+    program = ("from playground.interrupts import interrupts_never_ignored\n"
+               "class Dying:\n"
+               "    def __init__(self, e): self.e = e\n"
+               "    def __del__(self): raise self.e\n"
+               "with interrupts_never_ignored(lambda: 'playground train'):\n"
+               "    Dying(ValueError('only printed'))\n"
+               "    print('went on')\n"
+               "    Dying(KeyboardInterrupt())\n"
+               "    print('went on after the interrupt')\n")
+    p = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 130, p.stderr
+    assert p.stdout == "went on\n"
+    assert "ValueError: only printed" in p.stderr and p.stderr.strip().endswith("playground train: interrupted")
+
+
 def test_ctrl_c_inside_a_class_definition_is_an_interrupt_too(monkeypatch, capsys):
     """Ctrl-C while a module defines a dataclass reaches the command as the RuntimeError
     "Error calling __set_name__ ...", raised from the KeyboardInterrupt (it landed there once,
