@@ -189,7 +189,7 @@ class TorchProcessGroup(ProcessGroup):
         exchange copies its input into its output). NCCL would launch a copy and a kernel for
         that identity, behind a host path longer than the device's work, and the run-ahead
         bound (`DeviceTimes`) would stop the host at every third call: on one GPU, once per
-        data-parallel bucket at the end of every backward (benchmarks/results/gpu/run53)."""
+        data-parallel bucket at the end of every backward (benchmarks/results/gpu/run53_moe_gaps)."""
         t = {k: (b.obj if b is not None else None) for k, b in call.bufs.items()}
         call.entry.start = time.perf_counter() - self._origin
         if call.op in ("all_gather", "reduce_scatter", "all_to_all", "scatter", "gather"):

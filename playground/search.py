@@ -296,8 +296,9 @@ def points(layout, n_layers: int, gpus_per_node: int, uneven: bool = False) -> t
     first count with a steady phase: at m = p a 1F1B schedule is its warm-up and cool-down
     alone, and the host's lead over the device there differs from the steady phase's, which
     each further microbatch repeats; interleaved twice the largest p), the next count the
-    schedule allows at every p (interleaved: a multiple of each p). `uneven`: stages of blocks given one by one, which no other depth or block
-    count holds: p and k are the layout's own, m alone is extrapolated."""
+    schedule allows at every p (interleaved: a multiple of each p). `uneven`: stages of
+    blocks given one by one, which no other depth or block count holds: p and k are the
+    layout's own, m alone is extrapolated."""
     p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
     k = n_layers // (p * v)
     k0 = 3 if layout.zero >= 3 else 1
