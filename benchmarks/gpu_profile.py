@@ -18,10 +18,12 @@ launch (the window over the launches) is then the step's cost per kernel.
 
 `--device-only` records the device alone (CUPTI's kernels and copies, no host op: the full
 profiler costs the host tens of µs a launch, so it makes any step host-bound): over `--last`
-steps after `--skip` + 1, the device's period, busy and idle time per step.
+steps after `--skip` + 1, the device's period, busy and idle time per step, where it idles
+(`device_gaps`) and which kernels take its time (`device_busy`).
 """
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -219,19 +221,39 @@ def device_profile(a, target, args) -> None:
         f.write(f"device only, {a.last} steps after {a.skip + 1}: per step: device period {ms(d1 - d0):.2f} ms, "
                 f"busy {ms(busy):.2f} ms, idle {ms(d1 - d0 - busy):.2f} ms, {len(device) / a.last:.0f} kernels "
                 f"and copies\n\n")
-        f.write(device_gaps(device, a.last) + "\n")
+        f.write(device_gaps(device, a.last) + "\n\n")
+        f.write(device_busy(device, a.last) + "\n")
 
 
 def kernel(name: str) -> str:
     """A kernel's name short enough to read: its function without templates and arguments."""
     if name.startswith(("Memcpy", "Memset")):
         return name
-    name = name.split("(")[0]
+    what = re.search(r"\w+_kernel_cuda|CUDAFunctor\w*|\w+Functor\b", name) if "elementwise" in name else None
+    if what:  # torch's elementwise kernels: the op is in the template's functor or lambda
+        return f"{kernel(name.split('<')[0])}: {what.group(0)}"
+    name = re.sub(r"^std::enable_if<.*?>::type\s+", "", name)  # a return type, not the kernel
+    name = name.replace("(anonymous namespace)", "anon").split("(")[0]
     while "<" in name:  # innermost template arguments first
         cut = max(name.rfind("<", 0, name.find(">")) if ">" in name else -1, 0)
         end = name.find(">", cut)
         name = name[:cut] + name[end + 1:] if end > cut else name[:cut]
     return name.replace("void ", "").strip()[:80]
+
+
+def device_busy(device: list, last: int, top: int = 30) -> str:
+    """Where the device's time goes, from its events alone ((start, end, name), ns): each
+    kernel's (or copy's) time summed per step by its short name, with its count a step."""
+    by_kernel: dict = {}
+    for start, end, name in device:
+        k = kernel(name)
+        by_kernel[k] = by_kernel.get(k, [0, 0.0])
+        by_kernel[k][0] += 1
+        by_kernel[k][1] += end - start
+    lines = ["device time per step by kernel (calls a step, ms a step):"]
+    lines += [f"    {n / last:6.1f} {ns / last / 1e6:8.3f} ms  {k}" for k, (n, ns) in
+              sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:top]]
+    return "\n".join(lines)
 
 
 def device_gaps(device: list, last: int, top: int = 25) -> str:

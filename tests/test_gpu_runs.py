@@ -95,3 +95,23 @@ def test_fidelity_takes_a_layouts_repeats_from_the_last_run_that_measured_it(tmp
     assert runs["1b_single"][0] == old
     medians = sorted(fidelity.median(m["throughput"]["step_times_s"][1:]) for m in ms)
     assert medians == [0.1, 0.25, 0.3] and fidelity.median(medians) == 0.25
+
+
+def test_a_device_profile_names_each_kernel_and_sums_its_time():
+    from benchmarks import gpu_profile
+    adam = ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+            "FusedOptimizerTensorListMetadata<4>, float>(int)")
+    add = ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, "
+           "std::array<char*, 3ul> >(int, at::native::CUDAFunctor_add<float>, std::array<char*, 3ul>)")
+    impl = "std::enable_if<!(false), void>::type internal::gpu_kernel_impl<at::native::foo>(int)"
+    assert gpu_profile.kernel(adam) == "at::native::anon::multi_tensor_apply_kernel"
+    assert gpu_profile.kernel(add) == "at::native::vectorized_elementwise_kernel: CUDAFunctor_add"
+    assert gpu_profile.kernel(impl) == "internal::gpu_kernel_impl"
+    # two steps: the add twice a step (1 and 3 µs), AdamW once (10 µs)
+    events = [(0, 1000, add), (2000, 5000, add), (6000, 16000, adam),
+              (20000, 21000, add), (22000, 25000, add), (26000, 36000, adam)]
+    table = gpu_profile.device_busy(events, last=2)
+    lines = table.splitlines()
+    assert "0.010 ms  at::native::anon::multi_tensor_apply_kernel" in lines[1] and lines[1].split()[0] == "1.0"
+    assert "0.004 ms  at::native::vectorized_elementwise_kernel: CUDAFunctor_add" in lines[2]
+    assert lines[2].split()[0] == "2.0"
