@@ -7,6 +7,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`-n N`), each of the N worker processes gets its share of the
+    cores for torch's intra-op threads: N processes with a thread per core each would
+    oversubscribe the cores (on 2 cores, the default tier ran 159 s so and 106 s with a
+    thread each). A run without workers keeps torch's default."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        import torch
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 @pytest.fixture
 def cli(capsys):
     """The `playground` command run in this process (its argument checks need no new
