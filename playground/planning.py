@@ -184,6 +184,24 @@ def _classes(rows: list) -> list:
     return sorted(((ranks, list(row)) for row, ranks in out.items()), key=lambda x: x[0][0])
 
 
+def host_bound_note(p: Plan, hw, share: float = 0.05) -> str:
+    """A line saying that the plan's step hangs on the host's speed, where the device waits for
+    the host to issue kernels for over `share` of the busiest such rank's step: the host's
+    time is its ops at the profile's `kernel_floor`, one host's speed, where the same program
+    on one machine has issued twice as fast from one run to the next (the README's plans
+    against our own GPU runs: 350m's step moved from 62 to 108 ms, the device's own time not
+    at all). Empty otherwise."""
+    rank = max(range(len(p.values)), key=lambda r: p.values[r]["step"]["host"])
+    step = p.values[rank]["step"]
+    if step["host"] <= share * step["time"]:
+        return ""
+    return (f"host-bound (rank {rank}): the device waits {step['host'] * 1e3:.2f} ms for the host, which issues its "
+            f"ops for {step['issuing'] * 1e3:.1f} ms at {hw.kernel_floor * 1e6:.0f} µs each ({p.run.hardware}'s "
+            f"kernel_floor: one host's speed, and a host's speed moves between runs) against "
+            f"{step['compute'] * 1e3:.1f} ms of device compute: on a faster host the step shortens toward the "
+            f"compute's, and CUDA graphs or compiled regions issue fewer ops")
+
+
 def summary(p: Plan, headroom: float = DEFAULT_HEADROOM) -> str:
     run, cfg, layout = p.run, p.run.model, p.run.layout
     hw = load_hardware(run.hardware)
@@ -204,6 +222,9 @@ def summary(p: Plan, headroom: float = DEFAULT_HEADROOM) -> str:
                  "waiting for peers, a pipeline's bubble included):")
     header = ["ranks", "step", "compute", "host", "exposed comm", "idle"] + (["of it pipeline bubble"] if pipeline else [])
     lines.append(table(header, [[_rank_ranges(r), *row] for r, row in _classes(rows)], left=1))
+    note = host_bound_note(p, hw)
+    if note:
+        lines.append(note)
     cap = hw.hbm_capacity
     rows = []
     for v in p.values:

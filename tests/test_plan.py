@@ -194,3 +194,22 @@ def test_flashattention_1_is_planned_at_half_the_attention_speed(monkeypatch):
     attention = 2 * 2 * 3.5 * forward / (hw.peak_bf16_flops * hw.attention_fraction_at(128, 2048))
     assert half == pytest.approx(attention, rel=1e-6) and quarter == pytest.approx(3 * half, rel=1e-6)
     assert peaks["flash1"] == peaks["flash"]
+
+
+def test_a_host_bound_plan_says_its_step_hangs_on_the_host(cli):
+    """A tiny model on an H200 is all host: the plan says so, with its issuing time and the
+    profile's kernel floor; a step whose device waits for no host gets no such line."""
+    from types import SimpleNamespace
+
+    from playground.planning import host_bound_note
+    status, out, err = cli("plan", "--model", "tiny", "--hardware", "h200")
+    assert status == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("host-bound"))
+    floor = load_hardware("h200").kernel_floor
+    assert f"at {floor * 1e6:.0f} µs each (h200's kernel_floor" in line and "ms of device compute" in line
+    busy = {"time": 0.1, "compute": 0.099, "host": 0.001, "issuing": 0.05}
+    waiting = {"time": 0.1, "compute": 0.05, "host": 0.05, "issuing": 0.1}
+    p = SimpleNamespace(values=[{"step": busy}, {"step": busy}], run=SimpleNamespace(hardware="h200"))
+    assert host_bound_note(p, load_hardware("h200")) == ""
+    p.values[1] = {"step": waiting}
+    assert host_bound_note(p, load_hardware("h200")).startswith("host-bound (rank 1): the device waits 50.00 ms")
