@@ -22,7 +22,7 @@ import sys
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from benchmarks._common import default_json, median, print_table, write_json  # noqa: E402
-from benchmarks.gpu_runs import read  # noqa: E402
+from benchmarks.gpu_runs import read, step_times  # noqa: E402
 from model import preset  # noqa: E402
 from playground import Layout, RunConfig  # noqa: E402
 from playground.planning import plan  # noqa: E402
@@ -51,7 +51,7 @@ def row(log: str, files: dict, hardware: str) -> dict:
     if path in files:
         m = json.loads(files[path])
         tokens = m["throughput"]["tokens_per_s"]
-        measured = {"tokens_per_s": tokens, "step_s": median(m["throughput"]["step_times_s"][1:]),
+        measured = {"tokens_per_s": tokens, "step_s": median(step_times(m["throughput"])[1:]),
                     "mfu": cfg.mfu(tokens, ranks, load_hardware(hardware).peak_bf16_flops),
                     "cuda_peak_allocated": max(r["cuda_peak_allocated"] for r in m["memory"])}
     p = plan(RunConfig(model=cfg, layout=Layout(dp=ranks, micro_batch_size=mbs, ac=ac), dtype="bfloat16",

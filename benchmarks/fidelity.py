@@ -65,7 +65,7 @@ import sys
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from benchmarks._common import default_json, median, print_table, write_json  # noqa: E402
-from benchmarks.gpu_runs import train_jsons  # noqa: E402
+from benchmarks.gpu_runs import step_times, train_jsons  # noqa: E402
 from collectives.ledger import human_bytes  # noqa: E402
 from model import GPTConfig  # noqa: E402
 from playground import Layout, RunConfig  # noqa: E402
@@ -123,7 +123,7 @@ def compare(name: str, folder: str, ms: list, hardware: str) -> dict:
     a run's median step (steps after the first), the median of those over the repeats: a
     host-bound step varies from run to run by more than any one run's steps do."""
     run = measured_run(ms[0])
-    steps = [median(m["throughput"]["step_times_s"][1:]) for m in ms]
+    steps = [median(step_times(m["throughput"])[1:]) for m in ms]
     measured = median(steps)
     p = plan(RunConfig(**{**run.__dict__, "hardware": hardware}))
     slowest = max(p.values, key=lambda v: v["step"]["time"])["step"]

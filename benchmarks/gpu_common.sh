@@ -13,11 +13,12 @@ run() {
   echo "== $name (exit ${PIPESTATUS[0]}): $(grep -E 'PASS|FAIL|throughput|measured peak|Error|error' "$LOGS/$name.log" | head -3 | tr '\n' ' ')"
   tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .
 }
-device_profile() {  # name, playground train args...: one GPU, bf16, micro-batch 4, 12 steps, the device alone
+device_profile() {  # name, playground train args...: one GPU, bf16, micro-batch 4, 12 steps (the args may say
+  # otherwise), the device alone
   # recorded by CUPTI over steps 6-10 (benchmarks/gpu_profile.py --device-only), the train JSON beside it
   local name=$1; shift
   timeout 300 torchrun --nproc_per_node 1 benchmarks/gpu_profile.py --out "$LOGS" --name "$name" --side playground \
-    --device-only --skip 4 --last 5 -- train "$@" --dtype bfloat16 --steps 12 --micro-batch-size 4 --backend torch \
+    --device-only --skip 4 --last 5 -- train --dtype bfloat16 --steps 12 --micro-batch-size 4 "$@" --backend torch \
     --no-progress --json "$LOGS/$name.json" 2>&1 | grep -v "^W1" > "$LOGS/$name.log"
   echo "== $name: $(grep -h 'throughput\|device only' "$LOGS/$name.log" "$LOGS/$name.txt" 2>/dev/null | tr '\n' ' ')"
   tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .

@@ -69,13 +69,19 @@ def train_jsons(folder: str, pattern: str = "*.json") -> list:
     return out
 
 
+def step_times(throughput: dict) -> list:
+    """A train JSON's steps as its tokens/s counts them: the device's where it recorded them
+    (playground/device_steps.py: the host may run ahead of the device), else the host's."""
+    return throughput.get("device_step_times_s") or throughput.get("step_times_s") or []
+
+
 def _figures(d: dict) -> list:
     lay, run, t = d["layout"], d["run"], d["throughput"]
     axes = " × ".join(f"{k} {lay[k]}" for k in ("dp", "tp", "pp", "cp", "ep") if lay.get(k, 1) > 1) or "1 GPU"
     extra = [f"zero {lay['zero']}"] if lay.get("zero") else []
     extra += [f"ac {lay['ac']}"] if lay.get("ac", "none") != "none" else []
     extra += ["sp"] if lay.get("sequence_parallel") else []
-    steps = t.get("step_times_s") or []
+    steps = step_times(t)
     step = statistics.median(steps[1:]) if len(steps) > 1 else None
     peak = max((r.get("cuda_peak_allocated", 0) for r in d.get("memory") or []), default=0)
     return [f"{d['model'].get('n_params', 0) / 1e9:.2f}B, d_model {d['model']['d_model']}",

@@ -22,20 +22,13 @@ sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from model import GPT, preset  # noqa: E402
-from playground.calibrate import counted, measure_floor, timed  # noqa: E402
+from model import preset  # noqa: E402
+from playground.calibrate import counted, measure_floor, one_layer_step, timed  # noqa: E402
 
 
 def tiny_step(cfg, layers: int, device: str):
-    """Forward and backward of `cfg` at `layers` blocks, batch 1, sequence 16, in bf16."""
-    tiny = cfg.with_(n_layers=layers, seq_len=16)
-    model = GPT(tiny, dtype=torch.bfloat16, device=device)
-    tokens = (torch.empty((1, 17), dtype=torch.long, device="meta") if device == "meta"
-              else torch.randint(0, tiny.vocab_size, (1, 17), device=device))
-
-    def step():
-        model(tokens[:, :-1], tokens[:, 1:]).backward()
-    return step
+    """Calibrate's tiny forward and backward (batch 1, sequence 16, bf16) at `layers` blocks."""
+    return one_layer_step(cfg.with_(seq_len=16), 1, device, layers=layers)
 
 
 def profiler_effect(cfg, device: str) -> dict:

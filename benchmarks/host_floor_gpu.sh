@@ -12,14 +12,6 @@
 set -uo pipefail
 source benchmarks/gpu_common.sh
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,power.limit --format=csv,noheader | tee "$LOGS/gpus.txt"
-profile() {  # name, micro-batch, train args...
-  local name=$1 mb=$2; shift 2
-  timeout 200 torchrun --nproc_per_node 1 benchmarks/gpu_profile.py --out "$LOGS" --name "$name" --side playground \
-    --device-only --skip 4 --last 5 -- train "$@" --dtype bfloat16 --steps 12 --micro-batch-size "$mb" \
-    --backend torch --no-progress --json "$LOGS/$name.json" 2>&1 | grep -v "^W1" > "$LOGS/$name.log"
-  echo "== $name: $(grep -h 'throughput\|device only' "$LOGS/$name.log" "$LOGS/$name.txt" 2>/dev/null | tr '\n' ' ')"
-  tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .
-}
 if [ "${1:-}" = profiler ]; then
   timeout 200 python benchmarks/host_floor_gpu.py --models 350m --depths 1,12 --profiler-effect \
     --json "$LOGS/host_floor.json" > "$LOGS/host_floor.log" 2>&1
@@ -27,15 +19,15 @@ if [ "${1:-}" = profiler ]; then
   for r in 1 2; do
     run "350m_plain_$r" 1 120 train --model 350m --bf16-copies --dtype bfloat16 --steps 12 --micro-batch-size 8 \
       --json "$LOGS/350m_plain_$r.json"
-    profile "350m_$r" 8 --model 350m --bf16-copies
+    device_profile "350m_$r" --model 350m --bf16-copies --micro-batch-size 8
   done
   exit 0
 fi
 timeout 240 python benchmarks/host_floor_gpu.py --json "$LOGS/host_floor.json" 2>&1 | tee "$LOGS/host_floor.log" | tail -4
 tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .
 for r in 1 2; do
-  profile 350m_$r 8 --model 350m --bf16-copies
-  profile 1b_$r 4 --model 1b --bf16-copies
-  profile dense_$r 4 --model 1b-moe --model-config n_experts=0,d_ff=5472 --bf16-copies
+  device_profile 350m_$r --model 350m --bf16-copies --micro-batch-size 8
+  device_profile 1b_$r --model 1b --bf16-copies
+  device_profile dense_$r --model 1b-moe --model-config n_experts=0,d_ff=5472 --bf16-copies
 done
-profile dense_autocast 4 --model 1b-moe --model-config n_experts=0,d_ff=5472
+device_profile dense_autocast --model 1b-moe --model-config n_experts=0,d_ff=5472

@@ -191,11 +191,12 @@ def op_class(name: str) -> str:
     return "elementwise"
 
 
-def one_layer_step(cfg: GPTConfig, micro_batch: int, device: str):
+def one_layer_step(cfg: GPTConfig, micro_batch: int, device: str, layers: int = 1):
     """A function running forward and backward of a one-block GPT of `cfg`'s shapes in bf16
-    (the compute copies a mixed-precision run computes with) on `device`."""
+    (the compute copies a mixed-precision run computes with) on `device`; `layers` blocks
+    where asked (benchmarks/host_floor_gpu.py times the host's cost across depths)."""
     from model import GPT
-    one = cfg.with_(n_layers=1)
+    one = cfg.with_(n_layers=layers)
     model = GPT(one, dtype=torch.bfloat16, device=device)
     shape = (micro_batch, one.seq_len + 1)
     tokens = (torch.empty(shape, dtype=torch.long, device="meta") if device == "meta"

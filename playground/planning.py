@@ -185,8 +185,8 @@ def _classes(rows: list) -> list:
 
 
 def host_bound_note(p: Plan, hw, share: float = 0.05) -> str:
-    """A line saying that the plan's step hangs on the host's speed, where the device waits for
-    the host to issue kernels for over `share` of the busiest such rank's step: the host's
+    """A line saying that the plan's step hangs on the host's speed, where the rank whose device
+    waits longest for the host to issue kernels waits over `share` of its step: the host's
     time is its ops at the profile's `kernel_floor`, one host's speed, where the same program
     on one machine has issued twice as fast from one run to the next (the README's plans
     against our own GPU runs: 350m's step moved from 62 to 108 ms, the device's own time not

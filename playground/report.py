@@ -97,7 +97,7 @@ def train_summary(res) -> str:
     else:
         lines.append(f"\nfinal loss {final:.4f}")
     tflops = res.tokens_per_s * cfg.flops_per_token() / run.layout.world / 1e12
-    lines.append(f"throughput: {res.tokens_per_s:,.0f} tokens/s (median step, wall clock, "
+    lines.append(f"throughput: {res.tokens_per_s:,.0f} tokens/s (median step, {'device' if res.device_step_times else 'wall'} clock, "
                  f"{len(res.losses)} steps in {res.wall_s:.1f} s end to end), "
                  f"{tflops:.3g} model TFLOP/s per rank")
     if run.faults or res.restarts or res.values[0].get("skipped_steps"):

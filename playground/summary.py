@@ -110,6 +110,8 @@ def train_json(res) -> dict:
     out = {"schema": f"playground.train/{SCHEMA_VERSION}", **_run_json(run), "data": res.data,
            "loss": {"per_step": res.losses, "floor": res.loss_floor},
            "throughput": {"tokens_per_s": res.tokens_per_s, "step_times_s": res.step_times,
+                          # rank 0's device's time per step (a GPU), what tokens_per_s is the median of
+                          "device_step_times_s": res.device_step_times,
                           # rank 0's host waiting for its device per step (torch backend on CUDA)
                           "host_blocked_s": res.values[0].get("host_blocked"), "wall_s": res.wall_s}}
     out["memory"] = []

@@ -24,6 +24,7 @@ from simulator import SimulatedTime
 
 from . import checkpoint
 from .data import make_source
+from .device_steps import DeviceSteps
 from .faults import LaggedCheck, NonFiniteError, RankFaults
 from .rank_program import RankProgram
 from .run_config import RunConfig
@@ -165,6 +166,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
     losses = []
     prefetch = Prefetch(source, layout.global_batch, cfg.seq_len, rank.rows, device, start, run.steps) \
         if device.startswith("cuda") else None
+    device_steps = DeviceSteps() if device.startswith("cuda") else None  # each step's time on the device
     for i, step in enumerate(range(start, run.steps)):  # (the data is a function of the step)
         faults.before_step(world, step + 1)  # (an injected crash raises, a hang stops answering)
         if timing:
@@ -227,6 +229,8 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
                 losses.append((work, total))
             else:
                 out["losses"].append(total.item())
+        if device_steps is not None:
+            device_steps.ended()
         out["step_times"].append(time.perf_counter() - t0)
         out["host_blocked"].append(world.host_blocked() - blocked0 + checked)
         if progress is not None and world.rank == 0:
@@ -254,6 +258,8 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
     for work, total in losses:
         work.wait()
         out["losses"].append(total.item())
+    if device_steps is not None:
+        out["device_step_times"] = device_steps.seconds()
     out["moe"] = [{i: st if isinstance(st, dict) else st.as_dict() for i, st in step.items()} for step in out["moe"]]
     if device.startswith("cuda"):  # to hold the accounting against what the allocator saw
         out["cuda_peak_allocated"] = torch.cuda.max_memory_allocated()
@@ -272,7 +278,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
 class TrainResult:
     run: RunConfig
     losses: list
-    step_times: list  # rank 0's wall time per step
+    step_times: list  # rank 0's host's wall time per step
     wall_s: float  # the whole launch
     ledger: object
     loss_floor: float | None
@@ -324,9 +330,15 @@ class TrainResult:
         return self.values[0].get("start", 0)
 
     @property
+    def device_step_times(self) -> list | None:
+        """Rank 0's time per step on its device (a GPU; playground/device_steps.py), else None."""
+        return self.values[0].get("device_step_times")
+
+    @property
     def tokens_per_s(self) -> float:
-        """Global tokens per second of wall time, median step."""
-        ts = sorted(self.step_times)
+        """Global tokens per second, median step: the device's steps on a GPU (the host may
+        run ahead of them), else the host's wall time."""
+        ts = sorted(self.device_step_times or self.step_times)
         return self.run.tokens_per_step / ts[len(ts) // 2]
 
 

@@ -115,3 +115,23 @@ def test_a_device_profile_names_each_kernel_and_sums_its_time():
     assert "0.010 ms  at::native::anon::multi_tensor_apply_kernel" in lines[1] and lines[1].split()[0] == "1.0"
     assert "0.004 ms  at::native::vectorized_elementwise_kernel: CUDAFunctor_add" in lines[2]
     assert lines[2].split()[0] == "2.0"
+
+
+def test_a_run_with_the_devices_steps_is_read_by_them(tmp_path):
+    """A train JSON from a GPU holds the device's steps beside the host's
+    (playground/device_steps.py): the summary's median step and fidelity's measured step are
+    the device's, since a host that does not wait each step runs ahead of its device."""
+    from benchmarks import fidelity
+    folder = str(tmp_path / "run98_test")
+    os.makedirs(folder)
+    host = [1.0, 0.04, 0.04, 0.04]  # the host ran ahead: its steps are shorter than the device's
+    device = [1.1, 0.05, 0.06, 0.05]
+    d = {**TRAIN, "throughput": {**TRAIN["throughput"], "step_times_s": host, "device_step_times_s": device}}
+    with open(os.path.join(folder, "350m_single.json"), "w") as f:
+        json.dump(d, f)
+    assert gpu_runs.step_times(d["throughput"]) == device
+    assert gpu_runs.step_times(TRAIN["throughput"]) == TRAIN["throughput"]["step_times_s"]  # (runs before it)
+    gpu_runs.pack(folder)
+    assert "50.0 ms" in open(os.path.join(folder, "summary.md")).read()
+    row = fidelity.compare("350m_single", folder, [d], "h200")
+    assert row["measured_step_s"] == 0.05
