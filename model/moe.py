@@ -592,14 +592,17 @@ class MoE(nn.Module):
         if self.expert_bias is not None and not self.recomputing:
             self.load = routed if self.load is None else self.load + routed
 
-    def update_bias(self) -> None:
+    def update_bias(self, found_inf=None) -> None:
         """After the step: b_i += γ · sign(mean load − load_i) (Wang et al. 2024, eq. 5;
-        DeepSeek-V3 §2.1.2), compared in whole numbers (E · load_i against the total load)."""
+        DeepSeek-V3 §2.1.2), compared in whole numbers (E · load_i against the total load);
+        not where `found_inf` (0-d, 1.0: the step skipped on the device) says so."""
         if self.expert_bias is None:
             return
         if self.load is not None:
             load = self.load.to(self.expert_bias.device)
             sign = torch.sign(load.sum() - self.config.n_experts * load).to(self.expert_bias.dtype)
+            if found_inf is not None:
+                sign = sign * (1 - found_inf.to(sign.device, sign.dtype))
             self.expert_bias.add_(sign, alpha=self.config.bias_update_rate)
             self.load = None
         self.stats.bias = self.expert_bias.detach().clone()

@@ -30,7 +30,7 @@ import torch
 from model.regions import optimizer_kernel
 from ddp import DistributedDataParallel
 from model import placement_of
-from zero.optimizer import adamw, step_count
+from zero.optimizer import adamw, step_count, step_unless
 from simulator.memory import storage_bytes
 from zero import ZeroDataParallel
 
@@ -150,9 +150,11 @@ class ReplicatedAdamW:
         self.optimizer = adamw([p for m in parts for p in m.parameters()], lr=run.lr, betas=run.betas,
                                weight_decay=run.weight_decay)
 
-    def step(self) -> None:
+    def step(self, found_inf=None) -> None:
+        """AdamW's step (skipped where `found_inf`, 1.0, says a gradient was not finite), then
+        the gradients dropped."""
         with optimizer_kernel(self.optimizer):
-            self.optimizer.step()
+            step_unless(self.optimizer, found_inf)
         if not self.buckets:
             self.grad_bytes = storage_bytes(p.grad for m in self.parts for p in m.parameters())
         self.optimizer.zero_grad(set_to_none=not self.buckets)
@@ -211,9 +213,9 @@ class ShardedOptimizer:
     def __init__(self, engines: list):
         self.engines = engines
 
-    def step(self) -> None:
+    def step(self, found_inf=None) -> None:
         for e in self.engines:
-            e.step()
+            e.step(found_inf)
 
     def pieces(self, what: str) -> list:
         return [x for e in self.engines for x in e.pieces(what)]

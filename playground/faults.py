@@ -17,7 +17,8 @@ rank (`--inject KIND@STEP:RANK`), and how a run finds each (docs/architecture.md
   (one all-reduce without a pipeline), tells every rank alike which ranks saw a NaN or an Inf
   (Megatron-LM checks the same before its step); the step is then skipped on every rank, or
   the run stops (`--on-nan skip|stop|off`), naming the first rank and tensor. A plan prices
-  the check as a run does it.
+  the check as a run does it. On a GPU the flags are read a step late (`LaggedCheck`) and
+  the optimizer skips the step on the device.
 
 Steps are counted from 1, as the report counts them.
 """
@@ -127,31 +128,80 @@ class RankFaults:
                     grads[0][1].view(-1)[0] = float("nan")
 
 
-def nonfinite(model, total, world, groups, check_grads: bool = True) -> str | None:
-    """Whether any rank's loss or gradients hold a NaN or an Inf, the same answer on every rank
-    (a flag per rank of `world`, all-reduced over each of `groups`, which together span it);
-    None when none does (and on the meta device, which has no values), else what and where
-    (the lowest rank, its first tensor in the model's order)."""
+def nonfinite_flags(model, total, world, groups, check_grads: bool = True) -> tuple:
+    """(flags, names): whether any rank's loss or gradients hold a NaN or an Inf, on the device,
+    the same on every rank: flags[r] is 1 + the index in rank r's `names` (its loss, then its
+    gradients in the model's order) of its first tensor that does, 0 if none does; one max-norm
+    over the gradients (`torch._foreach_norm`), all-reduced over each of `groups`, which
+    together span `world`."""
     grads = model.local_grads() if check_grads else []
     values = [total.detach().reshape(1).to(torch.float32)]
     if grads:
         values.append(torch.stack(torch._foreach_norm([g for _, g in grads], math.inf)).to(torch.float32))
+    bad = ~torch.cat(values).isfinite()
+    index = torch.arange(1, bad.numel() + 1, dtype=torch.float32, device=bad.device)
     flags = torch.zeros(world.size, dtype=torch.float32, device=total.device)
-    flags[world.rank] = (~torch.cat(values).isfinite()).any().to(torch.float32)
+    flags[world.rank] = torch.where(bad, index, bad.numel() + 1).amin() % (bad.numel() + 1)
     for group in groups:
         group.all_reduce(flags, op=ReduceOp.MAX, label="faults.nonfinite")
-    if flags.is_meta:
-        return None
-    bad = [r for r, v in enumerate(flags.tolist()) if v]
+    return flags, ["the loss"] + [f"the gradient of {name}" for name, _ in grads]
+
+
+def describe_nonfinite(flags: list, names: list, world) -> str | None:
+    """What `nonfinite_flags` found, read on the host (`flags` as numbers): None if nothing, else
+    the lowest rank that saw a NaN or an Inf and its first such tensor (each rank names its
+    own: one all-gather of the names, by every rank alike)."""
+    bad = [r for r, v in enumerate(flags) if v]
     if not bad:
         return None
-    mine = None
-    if world.rank in bad:
-        if not torch.isfinite(total).all():
-            mine = "the loss"
-        else:
-            mine = next((f"the gradient of {name}" for name, g in grads if not torch.isfinite(g).all()), "a gradient")
+    mine = names[int(flags[world.rank]) - 1] if world.rank in bad else None
     where = world.all_gather_object(mine)
     first = bad[0]
     return (f"a NaN or an Inf in {where[first]} on rank {first}"
             + (f" (ranks {bad} had some)" if len(bad) > 1 else ""))
+
+
+def nonfinite(model, total, world, groups, check_grads: bool = True) -> str | None:
+    """`nonfinite_flags` read on the host at once (None on the meta device, which has no values)."""
+    flags, names = nonfinite_flags(model, total, world, groups, check_grads)
+    return None if flags.is_meta else describe_nonfinite(flags.tolist(), names, world)
+
+
+class LaggedCheck:
+    """The check read one step late, so that the host never waits for the device to finish a
+    step's backward before it issues the optimizer step (a GPU's queue would drain and refill
+    once a step: benchmarks/results/gpu/run50_moe_device_only). The step's optimizer is given
+    `found` (1.0 where any rank saw a NaN or an Inf) and skips its update on the device, as
+    torch's fused AdamW does under a GradScaler; the flags go to the host asynchronously and
+    are read during the next step, before its optimizer step: so `--on-nan stop` stops with
+    the weights of the step before the poisoned one, as the immediate check does, and `skip`
+    reports the step one step later."""
+
+    def __init__(self):
+        self.pending = None  # the last step's (step, flags on the host, the event after their copy, names)
+        self.earlier = None  # the step's before it
+
+    def check(self, step: int, model, total, world, groups, check_grads: bool = True) -> torch.Tensor:
+        """This step's flags, started towards the host; `found` on the device."""
+        flags, names = nonfinite_flags(model, total, world, groups, check_grads)
+        found = (flags.amax() > 0).to(torch.float32)
+        if flags.is_cuda:
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host, ready = flags.clone(), None
+        self.earlier, self.pending = self.pending, (step, host, ready, names)
+        return found
+
+    def read(self, world, earlier: bool = True) -> tuple:
+        """(step, what was found or None) of the step before the last `check` (`earlier`), or of
+        the last; (None, None) where there is none."""
+        entry = self.earlier if earlier else self.pending
+        if entry is None:
+            return None, None
+        step, host, ready, names = entry
+        if ready is not None:
+            ready.synchronize()  # (long done: recorded a step ago)
+        return step, describe_nonfinite(host.tolist(), names, world)

@@ -121,11 +121,13 @@ class ParallelModel:
     def moe_layers(self) -> list:
         return [layer for m in self.parts for layer in m.moe_layers()]
 
-    def step(self) -> None:
-        """The optimizer's step, then each MoE layer's balancing bias from the step's load."""
-        self.optimizer.step()
+    def step(self, found_inf=None) -> None:
+        """The optimizer's step, then each MoE layer's balancing bias from the step's load;
+        neither moves where `found_inf` (0-d float32, 1.0: a NaN or an Inf in the step) says
+        so, decided on the device (playground/faults.py, `LaggedCheck`)."""
+        self.optimizer.step(found_inf)
         for layer in self.moe_layers:
-            layer.update_bias()
+            layer.update_bias(found_inf)
 
     def local_grads(self) -> list:
         """[(name, tensor)]: the gradients this rank holds now (the optimizer's)."""

@@ -18,7 +18,7 @@ from model.regions import attention_kernels
 from simulator import MemoryTracker
 
 from .data_parallel import data_parallel_group
-from .faults import nonfinite
+from .faults import LaggedCheck, nonfinite
 from .parallelize import parallelize
 
 
@@ -61,8 +61,9 @@ class RankProgram:
         with attention_kernels(self.run.model.attention):  # (FlashAttention-1's are priced slower)
             return self.model.run_step(micro, track or self.track)
 
-    def update(self) -> None:
-        self.model.step()
+    def update(self, found_inf: torch.Tensor | None = None) -> None:
+        """The optimizer's step; skipped on the device where `found_inf` (0-d, 1.0) says so."""
+        self.model.step(found_inf)
 
     def nonfinite(self, total: torch.Tensor) -> str | None:
         """A NaN or an Inf in any rank's loss or gradients, found alike on every rank before the
@@ -71,6 +72,10 @@ class RankProgram:
         if self.run.on_nan == "off":
             return None
         return nonfinite(self.model, total, self.world, self.everyone, check_grads=self.run.dtype != "float16")
+
+    def nonfinite_lagged(self, lagged: LaggedCheck, step: int, total: torch.Tensor) -> torch.Tensor:
+        """The check of `nonfinite`, read a step late (`LaggedCheck`): `found` on the device."""
+        return lagged.check(step, self.model, total, self.world, self.everyone, check_grads=self.run.dtype != "float16")
 
     def average_loss(self, total: torch.Tensor, async_op: bool = False):
         """The loss averaged over the data-parallel replicas, in place (one small all-reduce,

@@ -25,7 +25,7 @@ from simulator import SimulatedTime
 from . import checkpoint
 from .data import make_source
 from .device_steps import DeviceSteps
-from .faults import NonFiniteError, RankFaults
+from .faults import LaggedCheck, NonFiniteError, RankFaults
 from .rank_program import RankProgram
 from .run_config import RunConfig
 
@@ -110,6 +110,19 @@ def _skipped(model) -> int:
     return sum(s.skipped for s in getattr(model.optimizer, "scalers", []))
 
 
+def _lags(run: RunConfig, deferred: bool) -> bool:
+    """Whether the NaN check is read a step late (faults.LaggedCheck): where the losses are
+    (`deferred`: a GPU, no progress bar, no checkpoints), unless it is off or fp16's."""
+    return deferred and run.on_nan != "off" and run.dtype != "float16"
+
+
+def _skipped_step(out: dict, step: int, found: str, world, bar) -> None:
+    """--on-nan skip: `step` was skipped for `found`, on every rank alike; rank 0 says so."""
+    out["skipped_steps"].append(step)
+    if world.rank == 0:
+        (bar.write if bar is not None else print)(f"playground: step {step} skipped: {found}", file=sys.stderr)
+
+
 def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=None, progress=None) -> dict:
     """One rank's program. With `collect`, also returns the pieces (Placement, CPU float64
     copy) of the state before the first step ("initial": weights and AdamW's moments) and
@@ -147,6 +160,9 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
     # on a GPU with no progress bar to show it, each step's loss is read after the run: reading
     # it (and waiting for its average) at every step would stall the host until the device is idle
     deferred = device.startswith("cuda") and bar is None and not run.save
+    # so too the NaN check: read a step late, each step's update skipped on the device where it
+    # found one (faults.LaggedCheck); fp16's loss scaler reads its own overflow at once
+    lagged = LaggedCheck() if _lags(run, deferred) and not collect else None
     losses = []
     prefetch = Prefetch(source, layout.global_batch, cfg.seq_len, rank.rows, device, start, run.steps) \
         if device.startswith("cuda") else None
@@ -178,21 +194,24 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
                 faults.straggle(step + 1, time.perf_counter() - t_work)
             faults.corrupt(model, step + 1)
             t_check = time.perf_counter()
-            found = rank.nonfinite(total)  # (on a GPU its read of the flags waits for the device)
+            if lagged is not None:  # this step's check started, the last step's read
+                found_inf = rank.nonfinite_lagged(lagged, step + 1, total)
+                found_step, found = lagged.read(world)
+            else:  # (on a GPU its read of the flags waits for the device)
+                found_inf, found_step, found = None, step + 1, rank.nonfinite(total)
             checked = time.perf_counter() - t_check if device.startswith("cuda") else 0.0
             if found and run.on_nan == "stop":
-                raise NonFiniteError(f"step {step + 1}: {found}; stopped before the optimizer step (--on-nan skip "
-                                     f"skips such a step)")
+                late = f"; its update and step {step + 1}'s were not made" if found_step != step + 1 else ""
+                raise NonFiniteError(f"step {found_step}: {found}; stopped before the optimizer step{late} (--on-nan "
+                                     f"skip skips such a step)")
             if collect:
                 grads, skipped = model.pieces("grad"), _skipped(model)
             if found:  # --on-nan skip: every rank alike
+                _skipped_step(out, found_step, found, world, bar)
+            if found and lagged is None:
                 model.skip_step()
-                out["skipped_steps"].append(step + 1)
-                if world.rank == 0:
-                    (bar.write if bar is not None else print)(f"playground: step {step + 1} skipped: {found}",
-                                                              file=sys.stderr)
             else:
-                rank.update()
+                rank.update(found_inf)
             if collect:
                 out_states["steps"].append({"grads": grads, "state": _state(model),
                                             "skipped": bool(found) or _skipped(model) > skipped})
@@ -230,6 +249,12 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
         bar.close()
     if prefetch is not None:
         prefetch.close()
+    if lagged is not None:  # the last step's check
+        found_step, found = lagged.read(world, earlier=False)
+        if found and run.on_nan == "stop":
+            raise NonFiniteError(f"step {found_step}: {found}; its update was not made (the run's last step)")
+        if found:
+            _skipped_step(out, found_step, found, world, bar)
     for work, total in losses:
         work.wait()
         out["losses"].append(total.item())

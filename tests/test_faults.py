@@ -81,6 +81,43 @@ def test_a_nan_step_is_skipped_on_every_rank_and_the_replicas_stay_equal(layout,
     assert res.values[1]["skipped_steps"] == [2]
 
 
+LAGGED = {"ddp": dict(layout=Layout(dp=2)), "zero3": dict(layout=Layout(dp=2, zero=3)),
+          "zero1-bf16-one-pass": dict(layout=Layout(dp=2, zero=1), dtype="bfloat16"),
+          "moe-bias-ep2": dict(layout=Layout(dp=2, ep=2), model=preset("tiny-dsmoe"))}
+
+
+def _lagged(monkeypatch):
+    """The check read a step late (a GPU's way, faults.LaggedCheck) on these CPU ranks."""
+    import playground.training as training
+    monkeypatch.setattr(training, "_lags", lambda run, deferred: run.on_nan != "off" and run.dtype != "float16")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "zero3" else n for n in LAGGED])
+@pytest.mark.parametrize("at", [2, 4])
+def test_a_check_read_a_step_late_skips_the_same_step_on_the_device(name, at, tmp_path, monkeypatch):
+    """--on-nan skip with the check read during the next step (the poisoned step's update
+    skipped on the device: DDP's AdamW, ZeRO's, the one pass with compute copies, the MoE
+    balancing bias): the same losses and weights as the check read at once, bit for bit, and
+    the same step reported skipped, also the run's last."""
+    kw = dict(steps=4, faults=(Fault("nan", at, 1),), on_nan="skip", **LAGGED[name])
+    at_once = train(_run(save=str(tmp_path / "at_once"), **kw))
+    _lagged(monkeypatch)
+    late = train(_run(save=str(tmp_path / "late"), **kw))
+    assert late.losses == at_once.losses and all(x == x for x in late.losses)
+    assert [v["skipped_steps"] for v in late.values] == [v["skipped_steps"] for v in at_once.values] == [[at]] * 2
+    a, b = export(str(tmp_path / "at_once")), export(str(tmp_path / "late"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_check_read_a_step_late_stops_with_the_weights_before_the_poisoned_step(monkeypatch):
+    _lagged(monkeypatch)
+    with pytest.raises(NonFiniteError, match=r"step 2: a NaN or an Inf in the gradient of .* on rank 1; stopped before "
+                                             r"the optimizer step; its update and step 3's were not made"):
+        train(_run(faults=(Fault("nan", 2, 1),)))
+    with pytest.raises(NonFiniteError, match=r"step 4: .* on rank 0; its update was not made \(the run's last step\)"):
+        train(_run(faults=(Fault("nan", 4, 0),)))
+
+
 def test_unchecked_a_nan_spreads_silently():
     """--on-nan off: nothing stops it, and the loss turns NaN (what the check is for)."""
     res = train(_run(steps=3, faults=(Fault("nan", 1, 1),), on_nan="off"))

@@ -121,3 +121,75 @@ def test_the_check_passes_bf16_zero_through_the_one_pass(stage):
     rep = check(run)
     assert rep.passed, [r for r in rep.rows if not r.ok]
 
+
+
+@pytest.mark.parametrize("step", [1, 7])
+def test_a_step_found_non_finite_changes_nothing_and_a_finite_one_is_the_plain_step(step):
+    """`found_inf` 1.0 (a NaN or an Inf in the step, decided on the device): the masters, the
+    moments, the copies and the step count as they were, also at the first step, whose bias
+    corrections divide by zero; 0.0: bit for bit the step without it."""
+    p, opt, g = _state(1031, step)
+    s = opt.state[p]
+    g = g.clone()
+    g[5] = float("nan")
+    copy = torch.full(p.shape, 7.0, dtype=torch.bfloat16)
+    before = [t.detach().clone() for t in (p, s["exp_avg"], s["exp_avg_sq"], s["step"], copy)]
+    master_adamw(opt, [g], [copy], found_inf=torch.tensor(1.0))
+    for got, was in zip((p, s["exp_avg"], s["exp_avg_sq"], s["step"]), before):
+        assert torch.equal(got.detach(), was)
+    assert torch.equal(copy, p.detach().to(torch.bfloat16))  # (the copy is the master's, as after any step)
+    p2, opt2, g2 = _state(1031, step)
+    p3, opt3, _ = _state(1031, step)
+    copies = [torch.empty(p2.shape, dtype=torch.bfloat16) for _ in range(2)]
+    master_adamw(opt2, [g2], [copies[0]])
+    master_adamw(opt3, [g2], [copies[1]], found_inf=torch.tensor(0.0))
+    assert torch.equal(p2, p3) and torch.equal(copies[0], copies[1])
+    assert all(torch.equal(opt2.state[p2][k], opt3.state[p3][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_torchs_adamw_skips_a_step_found_non_finite(fused):
+    """`step_unless`: torch's fused kernel (on the CPU here, as on a GPU) skips on the device and
+    keeps the step count; the default implementation reads the flag on the host; a finite step
+    is the plain step."""
+    from zero.optimizer import step_unless
+
+    def make():
+        p = torch.nn.Parameter(torch.randn(9, generator=torch.Generator().manual_seed(3)))
+        opt = torch.optim.AdamW([p], lr=0.1, fused=fused or None)
+        p.grad = torch.ones(9)
+        opt.step()  # (a state to keep)
+        p.grad = torch.full((9,), 2.0)
+        return p, opt
+    p, opt = make()
+    before = (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+    assert step_unless(opt, torch.tensor(1.0)) is fused  # (False: the host read the skip)
+    assert torch.equal(p.detach(), before[0])
+    assert all(torch.equal(opt.state[p][k], v) for k, v in before[1].items())
+    assert not hasattr(opt, "found_inf")
+    q, opt_q = make()
+    assert step_unless(opt_q, torch.tensor(0.0))
+    r, opt_r = make()
+    opt_r.step()
+    assert torch.equal(q, r) and float(opt_q.state[q]["step"]) == 2.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled pass and torch's fused kernel of a GPU")
+def test_on_a_gpu_a_step_found_non_finite_is_skipped_without_the_host_reading_it():
+    """The one pass compiled on the GPU and torch's fused CUDA AdamW given `found_inf` on the
+    device: nothing moves at 1.0, the plain step at 0.0."""
+    from zero.optimizer import step_unless
+    for found, moves in ((1.0, False), (0.0, True)):
+        p, opt, g = _state(4099, 3)
+        p = torch.nn.Parameter(p.detach().cuda())
+        opt = torch.optim.AdamW([p], lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, fused=True)
+        p.grad = g.float().cuda()
+        opt.step()
+        before = p.detach().clone()
+        copy = torch.empty(p.shape, dtype=torch.bfloat16, device="cuda")
+        master_adamw(opt, [g.cuda()], [copy], found_inf=torch.tensor(found, device="cuda"))
+        assert torch.equal(p.detach(), before) is not moves and float(opt.state[p]["step"]) == 1 + moves
+        before = p.detach().clone()
+        p.grad = g.float().cuda()
+        assert step_unless(opt, torch.tensor(found, device="cuda"))
+        assert torch.equal(p.detach(), before) is not moves and float(opt.state[p]["step"]) == 1 + 2 * moves

@@ -46,6 +46,23 @@ def _update(p, g, m, v, copy, step_size, bias_correction2_sqrt, lr: float, beta1
     copy.copy_(p)
 
 
+def _update_unless(p, g, m, v, copy, step_size, bias_correction2_sqrt, found_inf, lr: float, beta1: float,
+                   beta2: float, weight_decay: float, eps: float):
+    """`_update`, the same arithmetic, unless `found_inf` (0-d float32, 1.0: a gradient was not
+    finite): then p, m, v and the copy keep their values (each written as it was: the same
+    bytes moved, no branch on the host)."""
+    skip = found_inf > 0
+    g = g.to(torch.float32)
+    decayed = p - lr * weight_decay * p
+    m_new = beta1 * m + (1 - beta1) * g
+    v_new = beta2 * v + (1 - beta2) * g * g
+    p_new = decayed - step_size * m_new / (v_new.sqrt() / bias_correction2_sqrt + eps)
+    m.copy_(torch.where(skip, m, m_new))
+    v.copy_(torch.where(skip, v, v_new))
+    p.copy_(torch.where(skip, p, p_new))
+    copy.copy_(p)
+
+
 def _bias_corrections(step, beta1: float, beta2: float, lr: float) -> tuple:
     """(lr / (1 - β1^t), sqrt(1 - β2^t)) as 0-d float32 tensors on `step`'s device, from the
     step count t (a 0-d tensor, read on the device), in double."""
@@ -65,11 +82,13 @@ def adamw_formula(p, m, v, g, step: int, lr: float, betas: tuple, weight_decay: 
 
 
 @torch.no_grad()
-def master_adamw(optimizer: torch.optim.AdamW, grads: list, copies: list) -> None:
+def master_adamw(optimizer: torch.optim.AdamW, grads: list, copies: list, found_inf=None) -> None:
     """One AdamW step of `optimizer`'s parameters (fp32 masters, one param group) from
     `grads` (one per parameter, its shape, in the compute dtype), writing each master's
     rounded values into `copies` (one per parameter). The state is created as torch's AdamW
-    creates it at the first step."""
+    creates it at the first step. `found_inf` (0-d float32 on the masters' device, 1.0: skip)
+    leaves every value and the step count as they were, decided on the device (as torch's
+    fused kernel does under a GradScaler)."""
     group, = optimizer.param_groups
     params, (beta1, beta2) = group["params"], group["betas"]
     lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
@@ -86,11 +105,17 @@ def master_adamw(optimizer: torch.optim.AdamW, grads: list, copies: list) -> Non
     torch._foreach_add_([s["step"] for s in states], 1)
     if not states:
         return
+    if found_inf is not None:  # (the count back where the step is skipped)
+        torch._foreach_sub_([s["step"] for s in states], [found_inf.to(states[0]["step"].device)] * len(states))
     # every unit steps together (one count), so one pair of corrections serves them all (a
     # plan's counts are on the CPU, its masters on meta: moved once)
     step_size, root = (c.to(params[0].device) for c in _bias_corrections(states[0]["step"], beta1, beta2, lr))
     for p, g, copy, s in zip(params, grads, copies, states):
         # what it moves: master and moments read and written, the gradient read, the copy written
         io = 6 * p.nbytes + g.nbytes + copy.nbytes
-        region("master_adamw", io, _update, p, g, s["exp_avg"], s["exp_avg_sq"], copy, step_size, root, lr, beta1,
-               beta2, weight_decay, eps)
+        if found_inf is None:
+            region("master_adamw", io, _update, p, g, s["exp_avg"], s["exp_avg_sq"], copy, step_size, root, lr, beta1,
+                   beta2, weight_decay, eps)
+        else:
+            region("master_adamw", io, _update_unless, p, g, s["exp_avg"], s["exp_avg_sq"], copy, step_size, root,
+                   found_inf, lr, beta1, beta2, weight_decay, eps)

@@ -18,3 +18,23 @@ def step_count(optimizer: torch.optim.Optimizer, param: torch.Tensor, step: int)
     the parameter's device for the fused kernel, on the CPU otherwise (a resumed run)."""
     fused = optimizer.defaults.get("fused")
     return torch.tensor(float(step), dtype=torch.float32, device=param.device if fused else "cpu")
+
+
+def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None) -> bool:
+    """`optimizer.step()` unless `found_inf` (a 0-d float32 tensor: 1.0 where a gradient held a
+    NaN or an Inf) says to skip it. torch's fused kernel skips on the device, leaving the step
+    count as it was (as under a GradScaler, which hands it `found_inf` so), without the host
+    reading the flag; the default implementation reads it. False where the host read a skip."""
+    if found_inf is not None and not optimizer.defaults.get("fused"):
+        if found_inf.item():
+            return False
+        found_inf = None
+    if found_inf is None:
+        optimizer.step()
+        return True
+    optimizer.found_inf = found_inf
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
+    return True

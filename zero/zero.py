@@ -92,7 +92,7 @@ from collectives import ReduceOp
 from model.regions import optimizer_kernel
 from model.grad_hooks import GradientReady
 from .master_adamw import master_adamw
-from .optimizer import adamw, step_count
+from .optimizer import adamw, step_count, step_unless
 from model.placement import placement_of
 
 from .flat_unit import FlatUnit
@@ -212,9 +212,11 @@ class ZeroDataParallel(nn.Module):
         return g * self.grad_scale if self.grad_scale != 1.0 else g
 
     @torch.no_grad()
-    def step(self) -> bool:
+    def step(self, found_inf=None) -> bool:
         """AdamW on the shards, then publish the parameters; False if the step was skipped
-        (fp16 overflow)."""
+        (fp16 overflow, or `found_inf` read on the host). `found_inf` (0-d float32, 1.0: a
+        gradient somewhere was not finite) skips the update on the device where it can (the
+        one pass, torch's fused kernel): the parameters are published unchanged."""
         grads = [self._local_grad(u) for u in self.units]
         if self.scaler:
             overflow = self.scaler.found_overflow(grads, self.group, label=f"{self.label}.overflow")
@@ -225,15 +227,18 @@ class ZeroDataParallel(nn.Module):
                 return False
         one_pass = self.fused_master_step and self.mixed and not self.scaler and self.stage < 3
         if one_pass:  # AdamW from the compute-dtype gradients, writing the compute copies (master_adamw.py)
-            master_adamw(self.optimizer, grads, [u.flat[u.lo:u.hi] for u in self.units])
+            master_adamw(self.optimizer, grads, [u.flat[u.lo:u.hi] for u in self.units], found_inf)
         else:
             for u, g in zip(self.units, grads):
                 g = g.to(self.master_dtype) if g.dtype != self.master_dtype else g
                 u.master.grad = g / scale if self.scaler else g
             with optimizer_kernel(self.optimizer):
-                self.optimizer.step()
+                stepped = step_unless(self.optimizer, found_inf)
             for u in self.units:
                 u.master.grad = None
+            if not stepped:
+                self._zero_grads()
+                return False
         self._zero_grads()
         works = []
         for u in self.units:
