@@ -202,11 +202,27 @@ def host_bound_note(p: Plan, hw, share: float = 0.05) -> str:
             f"compute's, and CUDA graphs or compiled regions issue fewer ops")
 
 
+def precision(run) -> tuple:
+    """(the plan's dtype as the header says it, a line for the recipe it does not price or
+    None). bf16 is priced as compute copies of fp32 masters (ZeRO's, or --bf16-copies), not
+    as autocast, which `train --dtype bfloat16` runs without either: its casts of every weight
+    in each forward and of the gradients back, not priced, added 9 to 12 ms of device time to
+    a 1b-scale step on an H200 (README, "Mixture of experts")."""
+    if run.dtype != "bfloat16":
+        return run.dtype, None
+    if run.layout.zero:
+        return "bfloat16 (ZeRO's bf16 compute copies of fp32 masters)", None
+    return "bfloat16 (bf16 compute copies of fp32 masters, as --bf16-copies)", (
+        "(`train --dtype bfloat16` without --bf16-copies or --zero runs under autocast instead, whose casts of the "
+        "weights each step this plan does not price)")
+
+
 def summary(p: Plan, headroom: float = DEFAULT_HEADROOM) -> str:
     run, cfg, layout = p.run, p.run.model, p.run.layout
     hw = load_hardware(run.hardware)
+    dtype, unpriced = precision(run)
     lines = [f"\nplayground plan: {layout.describe()}, model {cfg.n_params():,} parameters (d_model {cfg.d_model}, "
-             f"{cfg.n_layers} layers, {cfg.n_heads} heads), {run.dtype}, on {run.hardware}",
+             f"{cfg.n_layers} layers, {cfg.n_heads} heads), {dtype}, on {run.hardware}",
              f"global batch: {layout.global_batch} sequences × {cfg.seq_len} tokens = {run.tokens_per_step:,} tokens/step "
              f"(dp {layout.dp} × {layout.microbatches} microbatches × {layout.micro_batch_size} sequences)",
              f"step {p.step_s * 1e3:.1f} ms: {p.tokens_per_s:,.0f} tokens/s, MFU {100 * p.mfu:.1f}% "
@@ -214,6 +230,8 @@ def summary(p: Plan, headroom: float = DEFAULT_HEADROOM) -> str:
              + (f"one rank per pipeline stage standing for its {layout.world // layout.pp})" if p.by_classes else
                 "every rank run)" if uniform_stages(layout, hw.gpus_per_node) else
                 "every rank run: the ranks of a stage sit differently across nodes)")]
+    if unpriced:
+        lines.append(unpriced)
     pipeline = layout.pp > 1
     rows = [[f"{v['step']['time'] * 1e3:.2f} ms", f"{v['step']['compute'] * 1e3:.2f} ms",
              f"{v['step']['host'] * 1e3:.2f} ms", f"{v['step']['exposed_comm'] * 1e3:.2f} ms", f"{v['step']['idle'] * 1e3:.2f} ms"]
