@@ -172,6 +172,8 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
         if timing:
             timing.compute_model.slowdown = faults.slowdown(step + 1)
         t0, blocked0 = time.perf_counter(), world.host_blocked()
+        if device_steps is not None:
+            device_steps.started()
         replay = None if run.count_every_step else ("record" if i == 1 else "replay" if i > 1 else None)
         counted = timing.compute_model.step(replay) if timing else contextlib.nullcontext()
         # "train.step" (outside the op counting, which would count its profiler op): where a
