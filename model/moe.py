@@ -608,10 +608,16 @@ class MoE(nn.Module):
         self.stats.bias = self.expert_bias.detach().clone()
 
     # -- one token group -------------------------------------------------------------------
-    def _apply_experts(self, x, counts):
+    def _apply_experts(self, x, counts, during=None):
+        """(the experts' outputs for the rows x, what `during` returned: under expert
+        parallelism computed while the combine is in flight (moe/dispatch.py), else after)."""
         if self.dispatch is not None:
-            return self.dispatch(x, counts, self.experts)
-        return self.experts(x, counts)
+            return self.dispatch(x, counts, self.experts, during)
+        return self.experts(x, counts), during() if during is not None else None
+
+    def _shared_of(self, x):
+        """The shared experts' output for the group's tokens x as a deferred call, or None."""
+        return None if self.shared is None else (lambda: self.shared(x))
 
     def _pads(self) -> bool:
         """Whether its tokens go to other ranks' experts through the padded dispatch (expert
@@ -624,7 +630,9 @@ class MoE(nn.Module):
         kept row placed in its expert's next slot of E·C (row i of expert e's kept ones, in
         the expert-major order, in slot e·C + i), the slots gathered from the tokens (a zero
         row where an expert has fewer than C), sent and brought back, and each row's output
-        read from its slot (a dropped row from a zero row, its gate 0) and added to its token."""
+        read from its slot (a dropped row from a zero row, its gate 0) and added to its token.
+        Returns (the shared experts' output, run while the combine is in flight, or None; the
+        routed output)."""
         c = self.config
         T, d = x.shape
         E, k, C = c.n_experts, c.top_k, capacity(c, T)
@@ -632,25 +640,27 @@ class MoE(nn.Module):
         # (each a compiled region on a GPU: tokens in, slots out, the rows' indices; and back)
         x_slots, slot = region("moe_pad", size * (T * d + E * C * d) + 8 * 5 * rows, to_slots, x, r.tokens,
                                r.chosen, r.assignments, r.routed, r.dropped, E, k, C, checkpointed=self.checkpointed)
-        y = self.dispatch.padded(x_slots, C, self.experts)
-        return region("moe_unpad", size * (E * C * d + 2 * 2 * rows * d + T * d) + 8 * 3 * rows, from_slots, y, slot,
-                      r.gates, r.tokens, r.assignments, k, checkpointed=self.checkpointed)
+        y, shared = self.dispatch.padded(x_slots, C, self.experts, self._shared_of(x))
+        return shared, region("moe_unpad", size * (E * C * d + 2 * 2 * rows * d + T * d) + 8 * 3 * rows, from_slots,
+                              y, slot, r.gates, r.tokens, r.assignments, k, checkpointed=self.checkpointed)
 
     def _group(self, x, routing: Routing):
         """The experts' outputs combined for the group's tokens x (T, d), the shared experts' added."""
-        e = self.experts
+        e, shared = self.experts, None
         if self._pads():
-            out = self._padded(x, routing)
+            shared, out = self._padded(x, routing)
         elif self.dispatch is None and grouped_mm_applies(x, e.w_gate):  # (one compiled region on a GPU)
             io = self._experts_io(x.shape[0], routing.tokens.shape[0])
             out = region("moe_local_experts", io, local_experts, x, routing.tokens, routing.gates, routing.counts,
                          e.w_gate, e.w_up, e.w_down, self.config.top_k, routing.assignments,
                          checkpointed=self.checkpointed)
         else:
-            y = self._apply_experts(x.index_select(0, routing.tokens), routing.counts)
+            y, shared = self._apply_experts(x.index_select(0, routing.tokens), routing.counts, self._shared_of(x))
             out = x.new_zeros(x.shape, dtype=y.dtype)  # (under autocast the experts' dtype, as a dense MLP's)
             out = out.index_add(0, routing.tokens, y * routing.gates.unsqueeze(-1).to(y.dtype))
-        return out if self.shared is None else out + self.shared(x)
+        if self.shared is None:
+            return out
+        return out + (shared if shared is not None else self.shared(x))
 
     def _experts_io(self, T: int, rows: int) -> int:
         """What the local experts' region reads and writes in HBM for T tokens routed to `rows`

@@ -25,6 +25,11 @@ included.
 
 Both all-to-alls are autograd functions whose backward is the all-to-all with the splits
 swapped, so the experts' gradients sum the contributions of every source rank's tokens.
+The combine is issued asynchronously and the layer's shared experts (DeepSeekMoE) run while
+it is in flight (`during`), as Megatron-Core overlaps the shared experts with the token
+exchange: in the forward they hide the combine; in the backward, since their autograd nodes
+were made after the combine started and before it was waited, the engine (latest made first)
+runs their backward while the combine's reverse all-to-all is in flight.
 Dropless routing uses the same exchanged counts for its uneven splits. Each all-to-all
 moves, per rank, exactly the tokens routed to experts on other ranks × d × element size.
 """
@@ -56,6 +61,62 @@ def all_to_all(x, group, out_splits, in_splits, label: str):
     return _AllToAll.apply(x, group, list(out_splits), list(in_splits), label)
 
 
+class _InFlight:
+    """One all-to-all between its start and its wait: the call's Work, and in the backward
+    the buffer the reverse all-to-all's result lands in."""
+    work = None
+    grad = None
+
+
+class _Start(torch.autograd.Function):
+    """The all-to-all issued without waiting (its output is filled when `_Wait` has run).
+    Backward: the reverse all-to-all `_Wait`'s backward issued, waited for; its result is
+    this input's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits, label, flight):
+        ctx.flight = flight
+        out = torch.empty((sum(out_splits), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        flight.work = group.all_to_all(out, x.contiguous(), out_splits=out_splits, in_splits=in_splits,
+                                       async_op=True, label=label)
+        return out
+
+    @staticmethod
+    def backward(ctx, _):
+        flight = ctx.flight
+        flight.work.wait()
+        grad, flight.grad, flight.work = flight.grad, None, None
+        return grad, None, None, None, None, None
+
+
+class _Wait(torch.autograd.Function):
+    """The wait of `_Start`'s call: its output, filled. Backward: the reverse all-to-all
+    issued without waiting (`_Start`'s backward waits for it)."""
+
+    @staticmethod
+    def forward(ctx, out, group, out_splits, in_splits, label, flight):
+        flight.work.wait()
+        ctx.group, ctx.splits, ctx.label, ctx.flight = group, (out_splits, in_splits), label, flight
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out_splits, in_splits), flight = ctx.splits, ctx.flight
+        flight.grad = torch.empty((sum(in_splits), *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+        flight.work = ctx.group.all_to_all(flight.grad, grad.contiguous(), out_splits=in_splits, in_splits=out_splits,
+                                           async_op=True, label=ctx.label)
+        return grad, None, None, None, None, None
+
+
+def all_to_all_during(x, group, out_splits, in_splits, label: str, during):
+    """`all_to_all`, with `during()` (autograd on) run while the call is in flight, forward
+    and backward: (the all-to-all's output, what `during` returned)."""
+    flight = _InFlight()
+    out = _Start.apply(x, group, list(out_splits), list(in_splits), label, flight)
+    extra = during()
+    return _Wait.apply(out, group, list(out_splits), list(in_splits), label, flight), extra
+
+
 class ExpertParallelDispatch:
     """The layer's `dispatch`: (tokens sorted expert-major, counts of all E experts, the
     local experts) -> their outputs, in the same order."""
@@ -64,7 +125,9 @@ class ExpertParallelDispatch:
         self.group, self.n_experts = group, n_experts
         self.local = n_experts // group.size
 
-    def __call__(self, x, counts, experts):
+    def __call__(self, x, counts, experts, during=None):
+        """`during` (or None): computed while the combine is in flight (the shared experts);
+        then (the outputs, what `during` returned)."""
         ep, local = self.group.size, self.local
         send = counts.reshape(ep, local)  # per destination rank, per its expert
         recv = torch.empty_like(send)
@@ -86,11 +149,17 @@ class ExpertParallelDispatch:
         y = experts(got[index], per_expert)
         inverse = torch.empty_like(index)
         inverse[index] = torch.arange(index.numel(), device=index.device)
-        return all_to_all(y[inverse], self.group, in_splits, out_splits, "moe.combine")  # source-major again
+        return self._combine(y[inverse], in_splits, out_splits, during)  # source-major again
 
-    def padded(self, x, capacity: int, experts):
+    def _combine(self, y, out_splits, in_splits, during):
+        if during is None:
+            return all_to_all(y, self.group, out_splits, in_splits, "moe.combine"), None
+        return all_to_all_during(y, self.group, out_splits, in_splits, "moe.combine", during)
+
+    def padded(self, x, capacity: int, experts, during=None):
         """x (E·C, d): the rank's rows in its experts' slots (`capacity` C each, zero rows where
-        an expert has fewer) -> the experts' outputs in the same slots; even all-to-alls only."""
+        an expert has fewer) -> (the experts' outputs in the same slots, what `during`
+        returned: computed while the combine is in flight); even all-to-alls only."""
         ep, local, C = self.group.size, self.local, capacity
         d, n = x.shape[1], local * C  # rows for each destination
         got = all_to_all(x, self.group, [n] * ep, [n] * ep, "moe.dispatch")  # source-major
@@ -99,4 +168,4 @@ class ExpertParallelDispatch:
         per_expert = torch.full((local,), ep * C, dtype=torch.long, device=x.device) if x.is_cuda else [ep * C] * local
         y = experts(got, per_expert)
         y = y.reshape(local, ep, C, -1).transpose(0, 1).reshape(ep * n, -1)
-        return all_to_all(y.contiguous(), self.group, [n] * ep, [n] * ep, "moe.combine")
+        return self._combine(y.contiguous(), [n] * ep, [n] * ep, during)

@@ -90,8 +90,8 @@ def test_identity_experts_round_trip_returns_the_input_exactly(ep):
         g = torch.Generator().manual_seed(world.rank)
         counts = torch.randint(0, 5, (E,), generator=g)  # uneven, some zero
         x = torch.randn(int(counts.sum()), 8, dtype=torch.float64, generator=g)
-        y = ExpertParallelDispatch(world, E)(x, counts, _Identity())
-        return torch.equal(x, y)
+        y, none = ExpertParallelDispatch(world, E)(x, counts, _Identity())
+        return torch.equal(x, y) and none is None
     assert all(launch(fn, ep).values)
 
 
@@ -321,14 +321,14 @@ def test_the_check_catches_a_token_sent_to_the_wrong_expert(capacity_factor, mon
     import moe.dispatch as d
     real, real_padded = d.ExpertParallelDispatch.__call__, d.ExpertParallelDispatch.padded
 
-    def misrouted(self, x, counts, experts):
-        return real(self, x, counts, lambda tokens, per_expert: experts(tokens, per_expert[::-1]))
+    def misrouted(self, x, counts, experts, during=None):
+        return real(self, x, counts, lambda tokens, per_expert: experts(tokens, per_expert[::-1]), during)
 
-    def misrouted_padded(self, x, capacity, experts):
+    def misrouted_padded(self, x, capacity, experts, during=None):
         def swapped(rows, per_expert):
             y = experts(rows.reshape(self.local, -1, rows.shape[1]).roll(1, 0).reshape(rows.shape), per_expert)
             return y.reshape(self.local, -1, y.shape[1]).roll(-1, 0).reshape(y.shape)
-        return real_padded(self, x, capacity, swapped)
+        return real_padded(self, x, capacity, swapped, during)
     monkeypatch.setattr(d.ExpertParallelDispatch, "__call__", misrouted)
     monkeypatch.setattr(d.ExpertParallelDispatch, "padded", misrouted_padded)
     rep = check(_run(steps=1, dp=2, ep=2, model=BASE.with_(n_experts=8, capacity_factor=capacity_factor)))

@@ -275,3 +275,74 @@ def test_record_keeps_the_selection_scores():
     scores = router_scores(layer.router(x.reshape(8, -1)), layer.config).detach()
     assert torch.equal(kept, scores + layer.expert_bias)
     assert mm.choose(kept, layer.config).same(layer.stats.decisions[0][1])
+
+
+# -- the shared experts beside the combine (moe/dispatch.py) ----------------------------------------
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0], ids=["dropless", "capacity"])
+def test_the_shared_experts_hide_part_of_the_combine(capacity_factor, monkeypatch):
+    """Run while the combine is in flight, forward and backward, the shared experts' compute
+    leaves less of it exposed in a plan than the same layer running them after it."""
+    import moe.dispatch as d
+    from playground.planning import plan
+    run = RunConfig(model=DSMOE.with_(capacity_factor=capacity_factor), layout=Layout(ep=2, dp=2, micro_batch_size=2),
+                    dtype="bfloat16", bf16_copies=True, hardware="h200", progress=False)
+    beside = plan(run).values[0]["step"]
+    monkeypatch.setattr(d, "all_to_all_during", lambda x, group, out_splits, in_splits, label, during: (
+        d.all_to_all(x, group, out_splits, in_splits, label), during()))
+    after = plan(run).values[0]["step"]
+    assert beside["compute"] == pytest.approx(after["compute"])
+    assert beside["exposed_comm"] < 0.85 * after["exposed_comm"]
+
+
+def test_the_shared_experts_backward_runs_while_the_combines_reverse_is_in_flight(monkeypatch):
+    """Autograd runs the latest-made node first: the shared experts' nodes, made between the
+    combine's issue and its wait, run after the reverse all-to-all is issued (`_Wait`'s
+    backward) and before it is waited (`_Start`'s)."""
+    import moe.dispatch as d
+    events: dict = {}
+
+    def logged(fn, what):
+        def run(ctx, *grads):
+            events.setdefault(threading.get_ident(), []).append(what)
+            return fn(ctx, *grads)
+        return staticmethod(run)
+    monkeypatch.setattr(d._Wait, "backward", logged(d._Wait.backward, "issued"))
+    monkeypatch.setattr(d._Start, "backward", logged(d._Start.backward, "waited"))
+    real = MoE._shared_of
+
+    def shared_of(self, x):
+        def shared():
+            y = real(self, x)()
+            y.register_hook(lambda g: events.setdefault(threading.get_ident(), []).append("shared"))
+            return y
+        return shared
+    monkeypatch.setattr(MoE, "_shared_of", shared_of)
+    train(RunConfig(model=DSMOE.with_(n_layers=1), layout=Layout(dp=2, ep=2), steps=1, progress=False))
+    assert sorted(events.values()) == [["issued", "shared", "waited"]] * 2
+
+
+@pytest.mark.sabotage
+def test_the_check_catches_a_combine_whose_backward_is_not_exchanged(monkeypatch):
+    """The combine's backward hands its gradient on as it arrived, without the reverse
+    all-to-all (even shapes at a capacity: no error, wrong expert gradients)."""
+    import moe.dispatch as d
+    real = d._Start.backward
+
+    def unexchanged(ctx, grad):
+        real(ctx, grad)  # (the reverse all-to-all still issued and waited: only its result dropped)
+        return (grad,) + (None,) * 5
+    monkeypatch.setattr(d._Start, "backward", staticmethod(unexchanged))
+    rep = check(_run(OPTIONS["shared-fine"], steps=1, dp=2, ep=2))
+    assert not rep.passed and "experts" in rep.worst("grad").name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0], ids=["dropless", "capacity"])
+def test_the_combine_in_flight_gives_gloo_the_simulated_losses(capacity_factor):
+    """The asynchronous combine on torch.distributed (gloo processes) as on simulated ranks:
+    the same losses, bit for bit."""
+    run = RunConfig(model=DSMOE.with_(capacity_factor=capacity_factor), layout=Layout(dp=2, ep=2), steps=3,
+                    dtype="float64", progress=False)
+    sim = train(run)
+    gloo = train(RunConfig(**{**run.__dict__, "backend": "gloo"}))
+    assert gloo.losses == sim.losses
