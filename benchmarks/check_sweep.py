@@ -5,9 +5,11 @@ layout at any shape and fail a sabotaged one by orders of magnitude.
 The sweep draws configurations at random (seeded): the tiny and small presets, dense and
 mixture of experts, with their shapes redrawn (odd vocabularies and sequence lengths, layer
 counts, heads and grouped-query key/value heads, SwiGLU widths, experts, top-k, capacity
-factors and dropless routing, every other block an MoE block), every axis (dp, tp with and
-without sequence parallelism, pp with each schedule and virtual stages, cp as zig-zag or
-contiguous ring attention or Ulysses, ep) and their compositions up to 8 ranks, ZeRO stages,
+factors and dropless routing, every other block an MoE block, shared and narrower experts,
+the three routers, the balancing bias and the sequence-wise auxiliary loss), every axis (dp,
+tp with and without sequence parallelism, pp with each schedule and virtual stages, cp as
+zig-zag or contiguous ring attention or Ulysses, ep) and their compositions up to 8 ranks,
+ZeRO stages,
 activation checkpointing, micro-batch sizes and microbatches, 1 to 5 AdamW steps, float64
 and float32, learning rates, weight decay, bucket sizes and reduction after backward, and
 seeds; a draw the layout refuses is drawn again. Each runs `playground.check`; the table
@@ -61,7 +63,12 @@ def _model(rng: random.Random, name: str, tp: int, pp: int, v: int, cp: int, cp_
     if base.n_experts:
         experts = rng.choice((2, 3, 4, 6, 8))
         over.update(n_experts=experts, top_k=rng.randint(1, min(3, experts)),
-                    capacity_factor=rng.choice((0.0, 0.5, 1.0, 1.0, 1.25, 2.0)), moe_every=rng.choice((1, 1, 2)))
+                    capacity_factor=rng.choice((0.0, 0.5, 1.0, 1.0, 1.25, 2.0)), moe_every=rng.choice((1, 1, 2)),
+                    # today's MoE (DeepSeekMoE, DeepSeek-V3): shared and narrower experts, the routers,
+                    # the balancing bias and the sequence-wise loss
+                    n_shared_experts=rng.choice((0, 0, 1, 2)), expert_d_ff=rng.choice((0, tp * rng.randint(2, 24))),
+                    router=rng.choice(("softmax", "topk_softmax", "sigmoid")),
+                    bias_update_rate=rng.choice((0.0, 0.0, 1e-3)), aux_loss=rng.choice(("batch", "batch", "sequence")))
     elif cp == 1 and rng.random() < 0.15:
         over["attention"] = "unfused"
     return base.with_(**over)
@@ -106,7 +113,9 @@ def draw(rng: random.Random):
 def describe(run) -> str:
     m, lay = run.model, run.layout
     moe = f" E{m.n_experts} k{m.top_k} cf{m.capacity_factor:g}" + (f" every{m.moe_every}" if m.moe_every > 1 else "") \
-        if m.n_experts else ""
+        + (f" shared{m.n_shared_experts}" if m.n_shared_experts else "") + (f" eff{m.expert_d_ff}" if m.expert_d_ff else "") \
+        + (f" {m.router}" if m.router != "softmax" else "") + (" bias" if m.bias_update_rate else "") \
+        + (" seq-aux" if m.aux_loss == "sequence" else "") if m.n_experts else ""
     shape = f"V{m.vocab_size} d{m.d_model} L{m.n_layers} H{m.n_heads}/{m.kv_heads} ff{m.d_ff} s{m.seq_len}{moe}"
     return (f"{shape} | {lay.describe()}, mbs {lay.micro_batch_size} | {run.dtype}, {run.steps} steps, "
             f"lr {run.lr:g}, wd {run.weight_decay:g}, seed {run.seed}")

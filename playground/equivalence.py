@@ -40,6 +40,7 @@ from zero.optimizer import step_count
 
 from .data import make_source
 from .run_config import RunConfig
+from .sensitivity import TRIGGER, moved, raised
 from .tolerance import UNIT_ROUNDOFF, step_bounds, tolerances
 from .training import train
 
@@ -55,6 +56,7 @@ class Row:
     max_rel: float
     ratio: float | None  # the worst error over its tolerance (at most 1 passes); None: not judged
     step: int | None = None  # gradients, weights, moments: the step of the worst error
+    raised: float | None = None  # a gradient judged at the reference's own sensitivity there: its tolerance
 
     @property
     def label(self) -> str:
@@ -75,6 +77,8 @@ class CheckReport:
     result: object = None  # the layout's TrainResult (losses, ledger, memory, ...)
     ties: int = 0  # MoE token groups whose routing the reference took from the layout at a near-tie
     tied: int = 0  # the assignments those decisions differed in
+    # {(step, name): gradient tolerance} raised to the reference's own sensitivity (playground/sensitivity.py)
+    sensitive: dict = None
 
     @property
     def passed(self) -> bool:
@@ -173,7 +177,7 @@ def reference_steps(run: RunConfig, tol: dict, states: list, replays: list | Non
         stats = [layer.stats.resolved() for layer in model.moe_layers()]
         moe = sum(st.aux + st.z for st in stats)  # part of the loss
         out.append({"loss": loss.item() + moe, "grads": grads, "after": after, "bounds": bounds,
-                    "moe": stats, "skipped": skipped})
+                    "moe": stats, "skipped": skipped, "taken": taken, "group": group})
     return out
 
 
@@ -269,12 +273,12 @@ class _Worst:
     """The worst (ratio, step, abs, rel) of one tensor over the steps."""
 
     def __init__(self):
-        self.ratio, self.step, self.abs, self.rel = None, None, 0.0, 0.0
+        self.ratio, self.step, self.abs, self.rel, self.raised = None, None, 0.0, 0.0, None
 
-    def add(self, step, diff, rel, ratio) -> None:
+    def add(self, step, diff, rel, ratio, raised=None) -> None:
         self.abs, self.rel = max(self.abs, diff), max(self.rel, rel)
         if ratio is not None and (self.ratio is None or ratio > self.ratio):
-            self.ratio, self.step = ratio, step
+            self.ratio, self.step, self.raised = ratio, step, raised
 
 
 def _over(diff, bound):
@@ -282,6 +286,39 @@ def _over(diff, bound):
     if not diff.numel():
         return 0.0
     return torch.where(diff > 0, diff / bound, torch.zeros_like(diff)).max().item()
+
+
+def _tensors(ref: list, states: list, grads: list, tol: dict, sensitive: dict) -> dict:
+    """{(what, name): _Worst} of every gradient, weight and moment over the steps; a gradient
+    at a (step, name) of `sensitive` judged against its raised tolerance there."""
+    worst = {}
+    for step, r in enumerate(ref):
+        for name, want in r["grads"].items():
+            got = grads[step].get(name)
+            if got is None or r["skipped"]:  # (an overflowed fp16 step's gradients are not compared)
+                continue
+            diff = (got - want).abs().max().item() if got.numel() else 0.0
+            scale = want.abs().max().item() if want.numel() else 0.0
+            rel = diff / scale if scale > 0 else diff
+            limit = sensitive.get((step, name), tol["grad"])
+            ratio = None if limit is None else \
+                0.0 if diff == 0 else rel / limit if scale > 0 else float("inf")  # (a zero reference: exact only)
+            worst.setdefault(("grad", name), _Worst()).add(step, diff, rel, ratio, sensitive.get((step, name)))
+        before, after = states[step]["param"], states[step + 1]
+        for name in r["grads"]:
+            for kind in (k for k in KINDS if k in r["after"]):
+                got, want = after[kind].get(name), r["after"][kind][name]
+                if got is None:
+                    continue
+                d = (got - want).abs()
+                diff = d.max().item() if d.numel() else 0.0
+                scale = ((want - before[name]).abs() if kind == "param" else want.abs()).max().item() \
+                    if want.numel() else 0.0
+                rel = diff / scale if scale > 0 else diff
+                ratio = _over(d, r["bounds"][name][kind]) if r["bounds"] is not None else None
+                what = "weight" if kind == "param" else "moments"
+                worst.setdefault((what, name), _Worst()).add(step, diff, rel, ratio)
+    return worst
 
 
 def check(run: RunConfig) -> CheckReport:
@@ -315,33 +352,19 @@ def check(run: RunConfig) -> CheckReport:
         diff = abs(a - r["loss"])
         rel = diff / abs(r["loss"]) if r["loss"] else diff
         rows.append(Row("loss", f"step {step}", diff, rel, None if tol["loss"] is None else rel / tol["loss"]))
-    worst = {}
-    for step, r in enumerate(ref):
-        for name, want in r["grads"].items():
-            got = grads[step].get(name)
-            if got is None or r["skipped"]:  # (an overflowed fp16 step's gradients are not compared)
-                continue
-            diff = (got - want).abs().max().item() if got.numel() else 0.0
-            scale = want.abs().max().item() if want.numel() else 0.0
-            rel = diff / scale if scale > 0 else diff
-            ratio = None if tol["grad"] is None else \
-                0.0 if diff == 0 else rel / tol["grad"] if scale > 0 else float("inf")  # (a zero reference: exact only)
-            worst.setdefault(("grad", name), _Worst()).add(step, diff, rel, ratio)
-        before, after = states[step]["param"], states[step + 1]
-        for name in r["grads"]:
-            for kind in (k for k in KINDS if k in r["after"]):
-                got, want = after[kind].get(name), r["after"][kind][name]
-                if got is None:
-                    continue
-                d = (got - want).abs()
-                diff = d.max().item() if d.numel() else 0.0
-                scale = ((want - before[name]).abs() if kind == "param" else want.abs()).max().item() \
-                    if want.numel() else 0.0
-                rel = diff / scale if scale > 0 else diff
-                ratio = _over(d, r["bounds"][name][kind]) if r["bounds"] is not None else None
-                what = "weight" if kind == "param" else "moments"
-                worst.setdefault((what, name), _Worst()).add(step, diff, rel, ratio)
     unit = UNIT_ROUNDOFF[str(run.param_dtype).removeprefix("torch.")]
+    worst = _tensors(ref, states, grads, tol, {})
+    sensitive = {}
+    near = max((acc.ratio for acc in worst.values() if acc.ratio is not None), default=0.0)
+    if tol["weight"] and tol["grad"] is not None and near > TRIGGER:  # (float32 and float64)
+        sensitive = raised(ref, reference_steps(run, tol, moved(states, unit, run.seed), decisions), tol["grad"])
+        for (step, name), t in sensitive.items():  # what AdamW can make of gradients within the raised tolerance
+            r = ref[step]
+            if r["bounds"] is not None:
+                r["bounds"][name] = step_bounds(r["grads"][name], {k: r["after"][k][name] for k in KINDS}, r["taken"],
+                                                r["group"], t, unit)
+        if sensitive:
+            worst = _tensors(ref, states, grads, tol, sensitive)
     for step, r in enumerate(ref):  # the balancing biases: a sum of ±γ, rounded in the layout's dtype
         for name, want in r["after"][BUFFER].items():
             got = states[step + 1][BUFFER].get(name)
@@ -354,5 +377,6 @@ def check(run: RunConfig) -> CheckReport:
     for what in ("grad", "weight", "moments", "bias"):
         for (w, name), acc in worst.items():
             if w == what:
-                rows.append(Row(what, name, acc.abs, acc.rel, acc.ratio, acc.step if run.steps > 1 else None))
-    return CheckReport(run, tol, rows, problems, res, ties, tied)
+                rows.append(Row(what, name, acc.abs, acc.rel, acc.ratio, acc.step if run.steps > 1 else None,
+                                acc.raised))
+    return CheckReport(run, tol, rows, problems, res, ties, tied, sensitive)

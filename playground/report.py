@@ -6,6 +6,7 @@ from collectives.ledger import human_bytes
 from pipeline import build_schedule
 from pipeline import table as schedule_text
 
+from .sensitivity import SENSITIVITY
 from .summary import communication_classes, label_family, link_classes
 
 
@@ -317,6 +318,7 @@ def check_summary(rep, verbose: bool = True) -> str:
         if verbose or not r.ok or r.what == "loss":
             rule = ("per element" if tol["weight"] else "not judged") if r.what in ("weight", "moments") else \
                 ("8 units" if r.ok or r.ratio is not None else "not judged") if r.what == "bias" else \
+                f"{r.raised:.1e} (sensitivity)" if r.raised is not None else \
                 (f"{tol[r.what]:.1e}" if tol[r.what] is not None else "not judged")
             rows.append([r.what, r.label, f"{r.max_abs:.3e}", f"{r.max_rel:.3e}", rule, _of_tolerance(r),
                          "ok" if r.ok else "FAIL"])
@@ -332,6 +334,11 @@ def check_summary(rep, verbose: bool = True) -> str:
         what = f"{rep.tied} assignment(s) kept otherwise" if rep.tied else "equal-priority assignments in another order"
         lines.append(f"routing: {rep.ties} token group(s) broke a near-tie otherwise than one device ({what}; router "
                      f"scores within {tol['routing']:.1e}); the reference replayed the layout's decisions there")
+    if rep.sensitive:
+        most = max(rep.sensitive.values()) / tol["grad"]
+        lines.append(f"sensitivity: {len(rep.sensitive)} gradient(s) at some step moved further than the fixed "
+                     f"tolerance when the reference ran again from weights moved by a unit of roundoff; judged there "
+                     f"at {SENSITIVITY}x that move (up to {most:.3g}x the fixed tolerance; playground/sensitivity.py)")
     for p in rep.problems:
         lines.append(f"PROBLEM: {p}")
     unjudged = [w for w in ("grad", "weight") if not tol.get(w)]

@@ -12,7 +12,8 @@ most about n·u of the sum of its magnitudes (Higham 2002, "Accuracy and Stabili
 Numerical Algorithms", §4.2), u the dtype's unit roundoff, and typically by √n·u. The
 tolerance is ULPS units of roundoff relative to the tensor's largest reference value.
 bfloat16 and float16 runs are judged loosely (their weights and moments not at all):
-prove a layout in float64.
+prove a layout in float64. Where a backward amplifies rounding beyond that, the check raises
+a gradient's tolerance to the reference's own sensitivity (playground/sensitivity.py).
 
 Weights and moments: what AdamW (Loshchilov & Hutter 2019) can make of gradients that
 pass. From the same state (w, m, v), if the layout's gradient differs from the reference's

@@ -1,0 +1,50 @@
+"""The check judges an ill-conditioned gradient at the reference's own sensitivity to the last
+bit (playground/sensitivity.py): a correct layout the fixed tolerance failed passes, and a
+planted bug still fails."""
+import pytest
+
+import playground.equivalence as equivalence
+from model import preset
+from playground import Layout, RunConfig, check
+from playground.report import check_summary
+from playground.sensitivity import CAP
+
+# found by benchmarks/check_sweep.py: attention grows sharp over steps at lr 0.01, and at dp 4 ×
+# ep 2 the last-bit differences of a correct layout come out of the last block's query weight's
+# gradient as 1,589 units of roundoff of its largest element at step 5 (the fixed tolerance: 1,024)
+MODEL = preset("tiny-moe").with_(vocab_size=114, d_model=256, n_layers=3, n_heads=8, n_kv_heads=2, d_ff=18,
+                                 seq_len=65, n_experts=6, top_k=2, capacity_factor=2.0, aux_loss="sequence",
+                                 bias_update_rate=0.001, expert_d_ff=12)
+RUN = RunConfig(model=MODEL, layout=Layout(dp=4, ep=2, microbatches=2, micro_batch_size=2), steps=7, dtype="float64",
+                lr=0.01, weight_decay=0.0, seed=866739, progress=False)
+
+
+def test_an_ill_conditioned_gradient_of_a_correct_layout_is_judged_at_its_sensitivity(monkeypatch):
+    rep = check(RUN)
+    assert rep.passed, [r for r in rep.rows if not r.ok]
+    assert rep.sensitive and all(t <= CAP * rep.tolerance["grad"] for t in rep.sensitive.values())
+    wq = next(r for r in rep.rows if r.what == "grad" and r.name == "blocks.2.attn.wq.weight")
+    assert wq.raised is not None and wq.max_rel > rep.tolerance["grad"]  # over the fixed tolerance, within its own
+    assert "sensitivity:" in check_summary(rep)
+    # without the measure, the fixed tolerance fails this correct layout
+    monkeypatch.setattr(equivalence, "TRIGGER", float("inf"))
+    fixed = check(RUN)
+    assert not fixed.passed and not fixed.sensitive and fixed.worst("grad").name == "blocks.2.attn.wq.weight"
+
+
+@pytest.mark.sabotage
+def test_a_gradient_bug_fails_at_the_raised_tolerance(monkeypatch):
+    """The same run with the query weight's gradient off by 1e-9 of itself on every rank (a
+    reduction that rounds through float32 would do more): judged at its sensitivity, still over."""
+    from playground.parallelize import ParallelModel
+    real = ParallelModel.local_grads
+
+    def off(self):
+        out = real(self)
+        for name, g in out:
+            if name.endswith("blocks.2.attn.wq.weight"):
+                g.mul_(1 + 1e-9)
+        return out
+    monkeypatch.setattr(ParallelModel, "local_grads", off)
+    rep = check(RUN)
+    assert not rep.passed and rep.worst("grad").name == "blocks.2.attn.wq.weight"
