@@ -38,10 +38,12 @@ from __future__ import annotations
 import torch
 
 
-def _all_to_all(x, group, out_splits, in_splits, label):
+def _all_to_all(x, group, out_splits, in_splits, label, async_op: bool = False):
+    """The all-to-all's output; with `async_op`, (the output, filled once the Work is waited, the Work)."""
     out = torch.empty((sum(out_splits), *x.shape[1:]), dtype=x.dtype, device=x.device)
-    group.all_to_all(out, x.contiguous(), out_splits=out_splits, in_splits=in_splits, label=label)
-    return out
+    work = group.all_to_all(out, x.contiguous(), out_splits=out_splits, in_splits=in_splits, async_op=async_op,
+                            label=label)
+    return (out, work) if async_op else out
 
 
 class _AllToAll(torch.autograd.Function):
@@ -76,9 +78,7 @@ class _Start(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, out_splits, in_splits, label, flight):
         ctx.flight = flight
-        out = torch.empty((sum(out_splits), *x.shape[1:]), dtype=x.dtype, device=x.device)
-        flight.work = group.all_to_all(out, x.contiguous(), out_splits=out_splits, in_splits=in_splits,
-                                       async_op=True, label=label)
+        out, flight.work = _all_to_all(x, group, out_splits, in_splits, label, async_op=True)
         return out
 
     @staticmethod
@@ -102,9 +102,7 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (out_splits, in_splits), flight = ctx.splits, ctx.flight
-        flight.grad = torch.empty((sum(in_splits), *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-        flight.work = ctx.group.all_to_all(flight.grad, grad.contiguous(), out_splits=in_splits, in_splits=out_splits,
-                                           async_op=True, label=ctx.label)
+        flight.grad, flight.work = _all_to_all(grad, ctx.group, in_splits, out_splits, ctx.label, async_op=True)
         return grad, None, None, None, None, None
 
 
