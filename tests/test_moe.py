@@ -3,6 +3,7 @@
 dispatches and divisors that must fail, the ledger's all-to-all bytes, and runs on the
 simulated clock."""
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -73,7 +74,21 @@ def test_moe_layout_matches_one_device(name):
 def test_moe_in_float32_and_bfloat16():
     assert check(_run(dtype="float32", dp=2, ep=2)).passed
     rep = check(_run(dtype="bfloat16", dp=2, ep=2, model=BASE.with_(capacity_factor=0.0)))
-    assert rep.passed, [r for r in rep.rows if not r.ok]
+    assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
+    autocast = check(replace(_run(dtype="bfloat16", dp=2, ep=2, model=BASE.with_(capacity_factor=0.0)),
+                             bf16_copies=False))
+    assert autocast.passed, (autocast.problems, [r for r in autocast.rows if not r.ok])
+
+
+@pytest.mark.parametrize("dtype,zero", [("bfloat16", 0), ("bfloat16", 1), pytest.param("bfloat16", 3, marks=pytest.mark.slow)])
+def test_the_experts_engine_keeps_float32_masters(dtype, zero):
+    """Under expert parallelism the experts have an engine of their own, made after the dense
+    parameters' engine has turned those into compute copies: its masters must still be the
+    experts' float32 weights (they were the bf16 compute copies, stepped in place with bf16
+    moments: the check's initial weights caught it)."""
+    run = _run(dtype=dtype, dp=2, ep=2, zero=zero, steps=2)
+    rep = check(run)
+    assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
 
 
 # -- the dispatch at unit level -------------------------------------------------------------------

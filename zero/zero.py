@@ -140,7 +140,10 @@ class ZeroDataParallel(nn.Module):
         if replicate is not None and stage == 0:
             raise ValueError("hybrid sharding replicates shards: it needs ZeRO stage 1, 2 or 3 (stage 0 shards nothing)")
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None
-        self.master_dtype = next(module.parameters()).dtype
+        specs = unit_specs(module, units, exclude)
+        # the dtype of this engine's own parameters: another engine of the same module (expert
+        # parallelism's) may have turned its parameters into compute copies already
+        self.master_dtype = next((p for _, _, placed in specs for _, p in placed), next(module.parameters())).dtype
         self.compute_dtype = compute_dtype or self.master_dtype
         self.mixed = self.compute_dtype != self.master_dtype
         self.grad_dtype = grad_dtype or self.compute_dtype  # the flat gradient buffers' dtype
@@ -153,7 +156,6 @@ class ZeroDataParallel(nn.Module):
         self.scaler = loss_scaler
         self.grad_scale = grad_scale  # multiplies the averaged gradients (expert parallelism's divisor)
         n, r = (1, 0) if stage == 0 else (group.size, group.rank)
-        specs = unit_specs(module, units, exclude)
         if self.mixed:  # the model computes in the compute dtype: its floating buffers too (RoPE tables)
             for b in module.buffers():
                 if b.is_floating_point():
