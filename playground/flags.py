@@ -283,9 +283,16 @@ def _training_flags(p, verb: str) -> None:
     t.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE[verb],
                    help="bfloat16: float32 weights with bf16 compute; float16: ZeRO's fp16 compute copies with "
                         "dynamic loss scaling" + (" (a PASS in float64 proves most)" if verb == "check" else ""))
-    t.add_argument("--bf16-copies", action="store_true",
-                   help="--dtype bfloat16 without --zero: bf16 compute copies of the weights with fp32 master weights "
-                        "(ZeRO's engine at stage 0, as plan prices it) instead of autocast")
+    if verb != "plan":  # (a plan prices bf16 as compute copies: playground/planning.py)
+        precision = t.add_mutually_exclusive_group()
+        precision.add_argument("--autocast", action="store_true",
+                               help="--dtype bfloat16 without --zero: torch.autocast over float32 weights (torch's "
+                                    "AMP recipe), each weight cast to bf16 in every forward and its gradient back, "
+                                    "instead of the default bf16 compute copies with fp32 master weights")
+        precision.add_argument("--bf16-copies", action="store_true",
+                               help="--dtype bfloat16: bf16 compute copies of the weights with fp32 master weights "
+                                    "(ZeRO's engine, at stage 0 without --zero; Megatron-LM's --bf16): the default, "
+                                    "and what plan prices")
     t.add_argument("--reduce-dtype", choices=DTYPES,
                    help="with --zero: the dtype gradients are reduced in (default: the dtype they accumulate in)")
     t.add_argument("--grad-dtype", choices=("float32",),

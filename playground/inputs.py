@@ -245,6 +245,13 @@ def run_config(args, typed: set):
     if getattr(args, "trace", None) and not hardware:
         raise InputError("--trace needs --hardware: without a profile there is no simulated time to draw")
     _outputs(args)
+    dtype = args.dtype or DEFAULT_DTYPE[verb]
+    for flag in ("--autocast", "--bf16-copies"):
+        if getattr(args, flag[2:].replace("-", "_"), False) and dtype != "bfloat16":
+            raise InputError(f"{flag} is a recipe of --dtype bfloat16, not of --dtype {dtype}")
+    if getattr(args, "autocast", False) and layout.zero:
+        raise InputError(f"--autocast with --zero {layout.zero}: ZeRO computes in its own bf16 compute copies of fp32 "
+                         f"masters; give one of them")
     from model.config import DEFAULT_LR
     lr = getattr(args, "lr", None)
     if getattr(args, "resume", None) == "auto":
@@ -263,8 +270,8 @@ def run_config(args, typed: set):
                     save_every=getattr(args, "save_every", None), resume=getattr(args, "resume", None),
                     init_from=getattr(args, "init_from", None), compile=getattr(args, "compile", False),
                     cuda_graphs=getattr(args, "cuda_graphs", False),
-                    # (a plan prices bf16 as compute copies: playground/planning.py)
-                    bf16_copies=args.bf16_copies or (verb == "plan" and args.dtype == "bfloat16"),
+                    # bf16 as compute copies unless --autocast (a plan prices copies: playground/planning.py)
+                    bf16_copies=not getattr(args, "autocast", False),
                     faults=_faults(args, backend),
                     on_nan=getattr(args, "on_nan", "stop"), timeout=getattr(args, "timeout", None),
                     max_restarts=getattr(args, "max_restarts", 0), elastic=getattr(args, "elastic", None))

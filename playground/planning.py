@@ -204,17 +204,17 @@ def host_bound_note(p: Plan, hw, share: float = 0.05) -> str:
 
 def precision(run) -> tuple:
     """(the plan's dtype as the header says it, a line for the recipe it does not price or
-    None). bf16 is priced as compute copies of fp32 masters (ZeRO's, or --bf16-copies), not
-    as autocast, which `train --dtype bfloat16` runs without either: its casts of every weight
+    None). bf16 is priced as compute copies of fp32 masters (ZeRO's, or stage 0's: what
+    `train --dtype bfloat16` runs), not as `train --autocast`: its casts of every weight
     in each forward and of the gradients back, not priced, added 9 to 12 ms of device time to
     a 1b-scale step on an H200 (README, "Mixture of experts")."""
     if run.dtype != "bfloat16":
         return run.dtype, None
     if run.layout.zero:
         return "bfloat16 (ZeRO's bf16 compute copies of fp32 masters)", None
-    return "bfloat16 (bf16 compute copies of fp32 masters, as --bf16-copies)", (
-        "(`train --dtype bfloat16` without --bf16-copies or --zero runs under autocast instead, whose casts of the "
-        "weights each step this plan does not price)")
+    return "bfloat16 (bf16 compute copies of fp32 masters, as train runs it)", (
+        "(`train --autocast` runs under torch.autocast instead, whose casts of the weights each step this plan does "
+        "not price)")
 
 
 def summary(p: Plan, headroom: float = DEFAULT_HEADROOM) -> str:

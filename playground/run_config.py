@@ -51,8 +51,11 @@ class RunConfig:
     # recorded, and later steps replay its compute (simulator/clock.py)
     count_every_step: bool = False
     # bfloat16 as compute copies with fp32 master weights (ZeRO's engine, at stage 0 without
-    # --zero) instead of autocast: what planning on meta uses (playground/planning.py)
-    bf16_copies: bool = False
+    # --zero: Megatron-LM's --bf16, FSDP2's param_dtype) and the recipe a plan prices
+    # (playground/planning.py); False: torch.autocast over float32 weights (`--autocast`),
+    # whose casts of every weight each forward and of its gradient back cost device time;
+    # under ZeRO (its own compute copies) it has no effect
+    bf16_copies: bool = True
     # ZeRO's step with compute copies at stages 0-2 in one pass a unit (zero/master_adamw.py);
     # False: torch's AdamW on fp32 gradients, then the copies rounded from the masters, as
     # separate passes (how the engine stepped before; benchmarks/fidelity.py plans the GPU runs
@@ -86,8 +89,6 @@ class RunConfig:
                       ac_rules.run_problem(layout.ac, self.compile)):
             if found:  # what a strategy needs of the run (its `rules` module)
                 raise ValueError(found)
-        if self.bf16_copies and self.dtype != "bfloat16":
-            raise ValueError(f"--bf16-copies keeps bf16 compute copies: it needs --dtype bfloat16, not {self.dtype}")
         if self.grad_dtype is not None:
             if self.grad_dtype != "float32":
                 raise ValueError(f"grad_dtype={self.grad_dtype!r}: gradients accumulate in float32 or, by default, "
@@ -96,8 +97,8 @@ class RunConfig:
                 raise ValueError(f"--grad-dtype float32 keeps float32 gradients beside 16-bit compute copies; with "
                                  f"--dtype {self.dtype} the gradients are {self.dtype} already")
             if self.dtype == "bfloat16" and not (layout.zero or self.bf16_copies):
-                raise ValueError("--grad-dtype float32: under bf16 autocast (no --zero, no --bf16-copies) the weights "
-                                 "and their gradients are float32 already")
+                raise ValueError("--grad-dtype float32 with --autocast: under autocast the weights and their gradients "
+                                 "are float32 already")
         if self.save_every is not None and self.save_every < 1:
             raise ValueError(f"--save-every {self.save_every}: must be at least 1")
         if self.save_every is not None and not self.save:

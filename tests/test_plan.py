@@ -216,14 +216,16 @@ def test_a_host_bound_plan_says_its_step_hangs_on_the_host(cli):
 
 
 def test_a_bf16_plan_says_which_recipe_it_prices():
-    """bf16 is planned as compute copies of fp32 masters; without ZeRO or --bf16-copies `train`
-    runs autocast instead, and the plan says it does not price that recipe's casts."""
+    """bf16 is planned as compute copies of fp32 masters, what `train --dtype bfloat16` runs;
+    `train --autocast` runs autocast instead, and the plan says it does not price that
+    recipe's casts."""
     def header(**kw):
         layout = Layout(**kw)
-        return summary(plan(RunConfig(model=preset("tiny"), layout=layout, dtype="bfloat16", bf16_copies=not layout.zero,
-                                      hardware="h200", progress=False)))
+        return summary(plan(RunConfig(model=preset("tiny"), layout=layout, dtype="bfloat16", hardware="h200",
+                                      progress=False)))
     alone = header()
-    assert "bf16 compute copies of fp32 masters, as --bf16-copies" in alone and "runs under autocast instead" in alone
+    assert "bf16 compute copies of fp32 masters, as train runs it" in alone
+    assert "`train --autocast` runs under torch.autocast instead" in alone
     sharded = header(dp=2, zero=1)
     assert "ZeRO's bf16 compute copies" in sharded and "autocast" not in sharded
     fp32 = summary(plan(RunConfig(model=preset("tiny"), layout=Layout(), dtype="float32", hardware="h200",

@@ -29,11 +29,15 @@ def test_sim_and_gloo_give_the_same_losses():
     assert [key(e) for e in sim.ledger.for_rank(1)] == [key(e) for e in gloo.ledger.for_rank(1)]
 
 
-def test_bfloat16_autocast_trains():
+@pytest.mark.parametrize("copies", [True, False])
+def test_bfloat16_trains_with_compute_copies_and_under_autocast(copies):
+    """bf16 compute copies of fp32 masters by default (the engine at stage 0, 2 bytes a
+    weight more), torch.autocast over the fp32 weights with `bf16_copies=False`."""
     run = RunConfig(model=preset("tiny"), layout=Layout(dp=2, micro_batch_size=4), steps=5, dtype="bfloat16",
-                    progress=False)
+                    bf16_copies=copies, progress=False)
     res = train(run)
     assert res.losses[-1] < res.losses[0]
+    assert any(e.label.startswith("zero") for e in res.ledger.for_rank(0)) == copies
 
 
 def test_prefetch_worker_gives_each_step_its_rows_in_order():

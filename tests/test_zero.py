@@ -263,13 +263,13 @@ def test_float32_gradients_pass_the_check_and_are_counted_and_reduced_as_such():
 
 
 def test_float32_gradients_need_compute_copies():
-    with pytest.raises(ValueError, match="float32 already"):
-        RunConfig(model=CFG, layout=Layout(dp=2), dtype="bfloat16", grad_dtype="float32")
+    with pytest.raises(ValueError, match="--grad-dtype float32 with --autocast: .* float32 already"):
+        RunConfig(model=CFG, layout=Layout(dp=2), dtype="bfloat16", bf16_copies=False, grad_dtype="float32")
     with pytest.raises(ValueError, match="--dtype float32 the gradients are float32 already"):
         RunConfig(model=CFG, layout=Layout(dp=2, zero=1), dtype="float32", grad_dtype="float32")
     with pytest.raises(ValueError, match="grad_dtype='bfloat16'"):
         RunConfig(model=CFG, layout=Layout(dp=2, zero=1), dtype="bfloat16", grad_dtype="bfloat16")
-    RunConfig(model=CFG, layout=Layout(dp=2), dtype="bfloat16", bf16_copies=True, grad_dtype="float32")
+    RunConfig(model=CFG, layout=Layout(dp=2), dtype="bfloat16", grad_dtype="float32")  # (compute copies: the default)
 
 
 def _new_mlp():
