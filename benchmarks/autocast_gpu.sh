@@ -12,9 +12,9 @@ set -uo pipefail
 source benchmarks/gpu_common.sh
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,power.limit --format=csv,noheader | tee "$LOGS/gpus.txt"
 dense=(--model 1b-moe --model-config n_experts=0,d_ff=5472)
-device_profile dense_autocast "${dense[@]}"
+device_profile dense_autocast "${dense[@]}" --autocast
 device_profile dense_copies "${dense[@]}" --bf16-copies
-device_profile graphs_autocast --model 1b-moe --cuda-graphs
+device_profile graphs_autocast --model 1b-moe --cuda-graphs --autocast
 device_profile graphs_copies --model 1b-moe --cuda-graphs --bf16-copies
 timeout 200 torchrun --nproc_per_node 1 -m playground calibrate --backend torch --out "$LOGS/h200_here.json" \
   > "$LOGS/calibrate.log" 2>&1

@@ -38,7 +38,10 @@ run55_one_gpu_rows (one H200, after collectives over one rank stopped going thro
 1b-moe as compiled regions and graphed, its dense model, three or two alternated rounds, and
 350m under ZeRO-3 at dp 1, taking the place of the earlier runs of those names; the other
 one-GPU rows measured the code before, whose buckets each cost an NCCL call the plans no
-longer price),
+longer price) and run64_bf16_default (one H200, after bf16 without ZeRO became compute copies by
+default: 1b-moe as typed, `typed`, graphed, `graphs`, and its dense model, `dense`, three
+alternated rounds each, taking the place of run55's `graphs`; its `autocast` rows ran
+`--autocast`, which no plan prices, and are left out),
 plans the same model and layout on that profile (simulator/profiles/h200.json)
 and prints, per layout: the measured median step (steps after the first; a layout run again
 in the same call, named `_2`, `_3` after it, the median of its runs' medians: a host-bound
@@ -77,7 +80,7 @@ MEASURED = [os.path.join(GPU, name) for name in ("run13_kernels", "run14_side_by
                                                   "run27_one_gpu", "run28_before_after", "run30_expandable",
                                                   "run34_moe_fidelity", "run40_moe_fidelity", "run42_host_medians",
                                                   "run46_master_adamw", "run48_moe_graphs_rounds",
-                                                  "run49_grad_dtype", "run55_one_gpu_rows")]
+                                                  "run49_grad_dtype", "run55_one_gpu_rows", "run64_bf16_default")]
 # runs of code that has changed since: a plan prices the code as it is, so these are not compared
 SUPERSEDED = {
     "1b_zero3": "ZeRO-3 then kept a bf16 parameter shard and its gradient shards through the forward (4Ψ/N more)",
@@ -111,7 +114,8 @@ def latest_runs(folders: list) -> dict:
     for d in folders:
         here: dict = {}
         for name, m in train_jsons(d):
-            if not name.startswith(("pg_", "old_")):  # (side-by-side runs)
+            # (side-by-side runs; runs under --autocast, a recipe no plan prices; runs under a profiler)
+            if not name.startswith(("pg_", "old_")) and not name.endswith("_profiled") and not m["run"].get("autocast"):
                 here.setdefault(layout_name(name), []).append(m)
         out.update({k: (d, ms) for k, ms in here.items()})
     return out

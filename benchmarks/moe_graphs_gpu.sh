@@ -26,14 +26,15 @@ if [[ ",$extra," != *,nolayers,* ]]; then
   [ "$status" = 0 ] || { echo "the layers' check failed (exit $status): nothing else run"; exit 1; }
 fi
 flags=(--dtype bfloat16 --steps 10 --micro-batch-size 4)
-if [[ ",$extra," == *,withcopies,* ]]; then flags+=(--bf16-copies); fi
+# (compute copies are bf16's default; `withcopies` says so, else these run the autocast they measured)
+if [[ ",$extra," == *,withcopies,* ]]; then flags+=(--bf16-copies); else flags+=(--autocast); fi
 side() {  # which, name
   case $1 in
     moe) run "$2" 1 240 train --model 1b-moe "${flags[@]}" --json "$LOGS/$2.json" ;;
     graphs) run "$2" 1 240 train --model 1b-moe "${flags[@]}" --cuda-graphs --json "$LOGS/$2.json" ;;
     dense) run "$2" 1 240 train --model 1b-moe --model-config n_experts=0,d_ff=5472 "${flags[@]}" --json "$LOGS/$2.json" ;;
-    graphs_copies) run "$2" 1 240 train --model 1b-moe "${flags[@]}" --bf16-copies --cuda-graphs --json "$LOGS/$2.json" ;;
-    moe_copies) run "$2" 1 240 train --model 1b-moe "${flags[@]}" --bf16-copies --json "$LOGS/$2.json" ;;
+    graphs_copies) run "$2" 1 240 train --model 1b-moe "${flags[@]/--autocast/--bf16-copies}" --cuda-graphs --json "$LOGS/$2.json" ;;
+    moe_copies) run "$2" 1 240 train --model 1b-moe "${flags[@]/--autocast/--bf16-copies}" --json "$LOGS/$2.json" ;;
     ds) run "$2" 1 300 train --model 1b-dsmoe "${flags[@]}" --json "$LOGS/$2.json" ;;
     ds_graphs) run "$2" 1 300 train --model 1b-dsmoe "${flags[@]}" --cuda-graphs --json "$LOGS/$2.json" ;;
     accum) run "$2" 1 240 train --model 1b-moe "${flags[@]}" --global-batch 8 --json "$LOGS/$2.json" ;;

@@ -4,7 +4,8 @@
 # (`playground train --backend torch`). Arguments: the pairs to run (default: all of them,
 # then one torch-profiler run of each DDP side, benchmarks/gpu_profile.py; `kernels`:
 # benchmarks/kernels_gpu.py, the model's element-wise parts before and after; `*_copies`: the
-# playground alone with --bf16-copies; `ddp_350m_copies[_2]`: torch DDP under autocast beside the playground's
+# playground alone with --bf16-copies (the default since; the torch-against-playground pairs give the
+# playground --autocast, torch's side's recipe); `ddp_350m_copies[_2]`: torch DDP under autocast beside the playground's
 # with --bf16-copies, _2 in the other order; `single_1b_b8*`, `single_1b_b16*`: one GPU at micro-batch 8, 16; `zero3_w1`: FSDP2 and ZeRO-3 on one GPU; `single_350m`, `profile_350m_single`: one GPU at 350m, and its profiles; `profile_single`: its one-GPU step profiled;
 # `profile_layouts`: steady-state profiles of layouts, gpu_profile.py). Logs and JSON in
 # $LOGS, packed into $OUT/gpu_logs.tgz; benchmarks/side_by_side.py tabulates them.
@@ -24,31 +25,31 @@ pg() {  # name, nproc, args...
 pair() {
   case $1 in
     ddp_1b) torch_side torch_ddp_1b_b8 2 --mode ddp --model 1b --mbs 8
-            pg pg_ddp_1b_b8 2 --model 1b --dp 2 --micro-batch-size 8 ;;
+            pg pg_ddp_1b_b8 2 --model 1b --dp 2 --micro-batch-size 8 --autocast ;;
     zero3_1b) torch_side torch_fsdp2_1b_b8 2 --mode fsdp2 --model 1b --mbs 8
               pg pg_zero3_1b_b8 2 --model 1b --dp 2 --zero 3 --micro-batch-size 8 ;;
     ddp_350m) torch_side torch_ddp_350m_b8 2 --mode ddp --model 350m --mbs 8
-              pg pg_ddp_350m_b8 2 --model 350m --dp 2 --micro-batch-size 8 ;;
+              pg pg_ddp_350m_b8 2 --model 350m --dp 2 --micro-batch-size 8 --autocast ;;
     ddp_350m_copies) torch_side torch_ddp_350m_b8_copies 2 --mode ddp --model 350m --mbs 8
                      pg pg_ddp_350m_b8_copies 2 --model 350m --dp 2 --micro-batch-size 8 --bf16-copies ;;
     ddp_350m_copies_2) pg pg_ddp_350m_b8_copies_2 2 --model 350m --dp 2 --micro-batch-size 8 --bf16-copies
                        torch_side torch_ddp_350m_b8_copies_2 2 --mode ddp --model 350m --mbs 8 ;;  # (the other order)
     single_1b) torch_side torch_single_1b_b4 1 --mode single --model 1b --mbs 4
-               pg pg_single_1b_b4 1 --model 1b --micro-batch-size 4 ;;
+               pg pg_single_1b_b4 1 --model 1b --micro-batch-size 4 --autocast ;;
     single_1b_compile) torch_side torch_single_1b_b4_compile 1 --mode single --model 1b --mbs 4 --compile
-                       pg pg_single_1b_b4_compile 1 --model 1b --micro-batch-size 4 --compile ;;
+                       pg pg_single_1b_b4_compile 1 --model 1b --micro-batch-size 4 --compile --autocast ;;
     single_1b_b8) torch_side torch_single_1b_b8 1 --mode single --model 1b --mbs 8
-                  pg pg_single_1b_b8 1 --model 1b --micro-batch-size 8 ;;
+                  pg pg_single_1b_b8 1 --model 1b --micro-batch-size 8 --autocast ;;
     single_1b_b8_copies) pg pg_single_1b_b8_copies 1 --model 1b --micro-batch-size 8 --bf16-copies ;;
     zero3_w1) for m in 1b 350m; do  # one GPU: FSDP2 over a world of 1 beside ZeRO-3 at dp 1 (the same memory structure)
                 torch_side torch_fsdp2_${m}_b8_w1 1 --mode fsdp2 --model $m --mbs 8
                 pg pg_zero3_${m}_b8_w1 1 --model $m --zero 3 --micro-batch-size 8
               done ;;
     single_350m) torch_side torch_single_350m_b8 1 --mode single --model 350m --mbs 8
-                 pg pg_single_350m_b8 1 --model 350m --micro-batch-size 8 ;;
+                 pg pg_single_350m_b8 1 --model 350m --micro-batch-size 8 --autocast ;;
     profile_350m_single) for side in torch playground; do  # the steady state of each side's one-GPU 350m step
                            if [ $side = torch ]; then args="--mode single --model 350m --mbs 8 --steps 8"
-                           else args="train --model 350m --micro-batch-size 8 --dtype bfloat16 --steps 8 --backend torch --no-progress"; fi
+                           else args="train --model 350m --micro-batch-size 8 --dtype bfloat16 --steps 8 --backend torch --no-progress --autocast"; fi
                            timeout 150 torchrun --nproc_per_node 1 benchmarks/gpu_profile.py --out "$LOGS" \
                              --name "profile_${side}_single_350m_b8" --side $side -- $args 2>&1 | grep -v "^W1" \
                              > "$LOGS/profile_${side}_350m.log"
@@ -70,7 +71,7 @@ pair() {
                2>&1 | tee "$LOGS/kernels.log" ;;
     profile) for side in torch playground; do
                if [ $side = torch ]; then args="--mode ddp --model 1b --mbs 8 --steps 6"
-               else args="train --model 1b --dp 2 --micro-batch-size 8 --dtype bfloat16 --steps 6 --backend torch --no-progress"; fi
+               else args="train --model 1b --dp 2 --micro-batch-size 8 --dtype bfloat16 --steps 6 --backend torch --no-progress --autocast"; fi
                timeout 150 torchrun --nproc_per_node 2 benchmarks/gpu_profile.py --out "$LOGS" \
                  --name "profile_${side}_ddp_1b_b8" --side $side -- $args 2>&1 | grep -v "^W1" > "$LOGS/profile_${side}.log"
                echo "== profile $side: $(head -2 "$LOGS/profile_${side}_ddp_1b_b8.txt" | tail -1)"
