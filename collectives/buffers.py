@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 def _bf16_widen(bits: np.ndarray) -> np.ndarray:
@@ -110,7 +111,8 @@ def as_buffer(t, what: str = "tensor", view: bool = True) -> Buffer:
         # through DLPack rather than .numpy(), which would mark the storage not resizable
         # (ZeRO-3 resizes the storage of its parameters to free and refill them)
         if dtype == "bfloat16":
-            arr = np.from_dlpack(d.view(torch.int16)).view(np.uint16)
+            with _disable_current_modes():  # (the probe: not an op of the rank's program)
+                arr = np.from_dlpack(d.view(torch.int16)).view(np.uint16)
         else:
             arr = np.from_dlpack(d)
         return Buffer(arr, arr.shape, dtype, arr.itemsize, "cpu", t)
