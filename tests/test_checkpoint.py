@@ -53,7 +53,9 @@ SAME_LAYOUT = {
 
 @pytest.mark.parametrize("name,dtype", [pytest.param(n, "float64", marks=pytest.mark.slow) if n in ("cp2", "pp2-dropout-ac")
                                          else (n, "float64") for n in SAME_LAYOUT] + [
-    (n, "float32") if n == "zero3" else pytest.param(n, "float32", marks=pytest.mark.slow) for n in SAME_LAYOUT])
+    (n, "float32") if n == "zero3" else pytest.param(n, "float32", marks=pytest.mark.slow) for n in SAME_LAYOUT] + [
+    # bf16: compute copies of fp32 masters (the copies are rounded from the masters on resume)
+    (n, "bfloat16") if n in ("ddp", "ep2") else pytest.param(n, "bfloat16", marks=pytest.mark.slow) for n in SAME_LAYOUT])
 def test_resuming_on_the_same_layout_is_bit_identical(name, dtype, tmp_path):
     layout, model = SAME_LAYOUT[name]
     whole, resumed = _resumed(layout, layout, tmp_path, dtype=dtype, model=model)
