@@ -29,6 +29,7 @@ compared after the step ("bias" rows: within a few units of roundoff of its size
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -117,20 +118,27 @@ def token_groups(run: RunConfig) -> TokenGroups:
     return TokenGroups(rows, stats, seqs)
 
 
-def reference_model(run: RunConfig) -> GPT:
-    """The one-device reference in float64, initialised as every layout is (or from --init-from)."""
+def reference_model(run: RunConfig, dtype=torch.float64) -> GPT:
+    """The one-device reference in float64 (or `dtype`), initialised as every layout is (or
+    from --init-from)."""
     init = torch.load(run.init_from, map_location="cpu", weights_only=True) if run.init_from else None
-    return GPT(run.model, dtype=torch.float64, device="meta").materialize("cpu", run.seed, init)
+    return GPT(run.model, dtype=dtype, device="meta").materialize("cpu", run.seed, init)
 
 
-def reference_steps(run: RunConfig, tol: dict, states: list, replays: list | None = None) -> list:
+def reference_steps(run: RunConfig, tol: dict, states: list, replays: list | None = None,
+                    low_precision: bool = False) -> list:
     """Each step of the reference taken from the layout's state before it: `states[t]` is
     {kind: {name: full tensor}} (no moments before the first step), `replays[t]` the
     layout's routing decisions of step t per MoE block. Returns per step the loss, the
-    gradients, the state after the step, its bounds (tolerance.step_bounds; None when
-    weights are not judged) and the MoE layers' statistics."""
+    gradients (float64), the state after the step, its bounds (tolerance.step_bounds; None
+    when weights are not judged) and the MoE layers' statistics. `low_precision`: one device
+    in the bf16 run's own recipe instead of float64 (bf16 weights rounded from the state, or
+    float32 ones under autocast), whose gradients say how far bf16's rounding alone moves them."""
     cfg, layout = run.model, run.layout
-    model = reference_model(run)
+    copies = run.bf16_copies or bool(run.layout.zero)
+    model = reference_model(run, (torch.bfloat16 if copies else torch.float32) if low_precision else torch.float64)
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if low_precision and not copies
+                else contextlib.nullcontext())
     params = dict(model.named_parameters())
     opt = torch.optim.AdamW(params.values(), lr=run.lr, betas=run.betas, weight_decay=run.weight_decay)
     group = opt.param_groups[0]
@@ -151,15 +159,16 @@ def reference_steps(run: RunConfig, tol: dict, states: list, replays: list | Non
                     layer.expert_bias.copy_(state[BUFFER][name])
             for name, p in params.items():
                 p.copy_(state["param"][name])
-                opt.state[p] = {"step": step_count(opt, p, taken), "exp_avg": state["exp_avg"][name].clone(),
-                                "exp_avg_sq": state["exp_avg_sq"][name].clone()} if taken else {}
+                opt.state[p] = {"step": step_count(opt, p, taken), "exp_avg": state["exp_avg"][name].to(p.dtype, copy=True),
+                                "exp_avg_sq": state["exp_avg_sq"][name].to(p.dtype, copy=True)} if taken else {}
         for layer in model.moe_layers():
             layer.stats = MoEStats()
             layer.replay = Replay(replays[step].get(layer.index, {}), tol["routing"]) if replays else None
         batch = source.global_batch(step, layout.global_batch, cfg.seq_len)
-        loss = model(batch[:, :-1], batch[:, 1:])
+        with autocast:
+            loss = model(batch[:, :-1], batch[:, 1:])
         loss.backward()
-        grads = {n: p.grad.detach().clone() for n, p in params.items()}
+        grads = {n: p.grad.detach().to(torch.float64, copy=True) for n, p in params.items()}
         skipped = states[step + 1]["skipped"] if step + 1 < len(states) else False
         if not skipped:
             opt.step()
@@ -358,13 +367,17 @@ def check(run: RunConfig) -> CheckReport:
     near = max((acc.ratio for acc in worst.values() if acc.ratio is not None), default=0.0)
     if tol["weight"] and tol["grad"] is not None and near > TRIGGER:  # (float32 and float64)
         sensitive = raised(ref, reference_steps(run, tol, moved(states, unit, run.seed), decisions), tol["grad"])
+    elif run.dtype == "bfloat16" and tol["grad"] is not None and near > TRIGGER:
+        # against float64, a gradient's bf16 rounding is its backward's amplification of bf16's: one
+        # device in the run's own recipe measures it (playground/sensitivity.py)
+        sensitive = raised(ref, reference_steps(run, tol, states, decisions, low_precision=True), tol["grad"])
+    if sensitive:
         for (step, name), t in sensitive.items():  # what AdamW can make of gradients within the raised tolerance
             r = ref[step]
-            if r["bounds"] is not None:
+            if r["bounds"] is not None and tol["weight"]:
                 r["bounds"][name] = step_bounds(r["grads"][name], {k: r["after"][k][name] for k in KINDS}, r["taken"],
                                                 r["group"], t, unit)
-        if sensitive:
-            worst = _tensors(ref, states, grads, tol, sensitive)
+        worst = _tensors(ref, states, grads, tol, sensitive)
     for step, r in enumerate(ref):  # the balancing biases: a sum of ±γ, rounded in the layout's dtype
         for name, want in r["after"][BUFFER].items():
             got = states[step + 1][BUFFER].get(name)

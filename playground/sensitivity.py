@@ -15,6 +15,13 @@ how far that moved it, when that is more than the fixed tolerance, and at most `
 the fixed one. A step whose routing the moved weights change (a token to another expert,
 another count dropped) keeps the fixed tolerance: its spread is not rounding's.
 
+In bfloat16 the layout is judged against float64 at a fixed share of each gradient, which a
+deep model's backward can amplify bf16's rounding past (an 18-layer model at lr 0.01: a key
+weight's gradient 87% off float64's on one device alone). There the measure is one device in
+the run's own bf16 recipe from the layout's state (equivalence.reference_steps with
+`low_precision`): how far bf16 moves the gradient with no layout at all, against which the
+layout's is judged the same way.
+
 A correct layout measured so (benchmarks/check_sweep.py, a dp 4 × ep 2 MoE model at lr 0.01,
 step 6): the layout's difference 1,589 units of roundoff, the moved reference's 1,621; over 20
 steps of it and of its ZeRO variants the layout's came to at most 2.3 times the moved
