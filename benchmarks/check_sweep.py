@@ -10,8 +10,8 @@ the three routers, the balancing bias and the sequence-wise auxiliary loss), eve
 tp with and without sequence parallelism, pp with each schedule and virtual stages, cp as
 zig-zag or contiguous ring attention or Ulysses, ep) and their compositions up to 8 ranks,
 ZeRO stages,
-activation checkpointing, micro-batch sizes and microbatches, 1 to 5 AdamW steps, float64
-and float32, learning rates, weight decay, bucket sizes and reduction after backward, and
+activation checkpointing, micro-batch sizes and microbatches, 1 to 5 AdamW steps, float64,
+float32 and bfloat16 (compute copies, or autocast without ZeRO), learning rates, weight decay, bucket sizes and reduction after backward, and
 seeds; a draw the layout refuses is drawn again. Each runs `playground.check`; the table
 gives the FAIL count and how close the correct layouts came to their tolerances (a row's
 ratio: its worst error over its tolerance, at most 1 passes).
@@ -94,7 +94,10 @@ def draw(rng: random.Random):
         model = _model(rng, name, tp, pp, v, cp, cp_impl, cp_balance, sp)
         ep = rng.choice([e for e in _divisors(dp * cp) if model.n_experts % e == 0]) if moe else 1
         zero = rng.choice((0, 1) if pp > 1 else (0, 1, 2, 3))
-        dtype = "float64" if rng.random() < 0.75 else "float32"
+        u = rng.random()
+        dtype = "float64" if u < 0.6 else "float32" if u < 0.8 else "bfloat16"
+        # bf16 as compute copies of fp32 masters (the default) or under autocast (`--autocast`)
+        copies = dtype != "bfloat16" or zero > 0 or rng.random() < 0.67
         layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, schedule=schedule, microbatches=microbatches,
                         virtual_stages=v, sequence_parallel=sp, micro_batch_size=rng.choice((1, 2, 3)),
                         cp_impl=cp_impl, cp_balance=cp_balance, ac=rng.choice(("none", "none", "full", "selective")))
@@ -103,7 +106,8 @@ def draw(rng: random.Random):
             run = RunConfig(model=model, layout=layout, steps=rng.randint(1, 5), dtype=dtype,
                             lr=rng.choice((1e-3, 3e-3, 1e-2)), weight_decay=rng.choice((0.0, 0.0, 0.1)),
                             seed=rng.randrange(10 ** 6), progress=False,
-                            bucket_cap_mb=rng.choice((25.0, 0.01)), grad_overlap=zero > 1 or rng.random() < 0.8)
+                            bucket_cap_mb=rng.choice((25.0, 0.01)), grad_overlap=zero > 1 or rng.random() < 0.8,
+                            bf16_copies=copies)
         except (LayoutError, ValueError):
             continue
         return run, attempt
@@ -117,7 +121,8 @@ def describe(run) -> str:
         + (f" {m.router}" if m.router != "softmax" else "") + (" bias" if m.bias_update_rate else "") \
         + (" seq-aux" if m.aux_loss == "sequence" else "") if m.n_experts else ""
     shape = f"V{m.vocab_size} d{m.d_model} L{m.n_layers} H{m.n_heads}/{m.kv_heads} ff{m.d_ff} s{m.seq_len}{moe}"
-    return (f"{shape} | {lay.describe()}, mbs {lay.micro_batch_size} | {run.dtype}, {run.steps} steps, "
+    dtype = run.dtype + (" autocast" if run.dtype == "bfloat16" and not run.bf16_copies else "")
+    return (f"{shape} | {lay.describe()}, mbs {lay.micro_batch_size} | {dtype}, {run.steps} steps, "
             f"lr {run.lr:g}, wd {run.weight_decay:g}, seed {run.seed}")
 
 
@@ -213,7 +218,8 @@ def main():
         fails = [r for r in rows if not r["passed"]]
         summary = []
         for label, pick in (("all", lambda r: True), ("float64", lambda r: r["dtype"] == "float64"),
-                            ("float32", lambda r: r["dtype"] == "float32"), ("MoE", lambda r: r["moe"]),
+                            ("float32", lambda r: r["dtype"] == "float32"),
+                            ("bfloat16", lambda r: r["dtype"] == "bfloat16"), ("MoE", lambda r: r["moe"]),
                             ("5 steps", lambda r: r["steps"] == 5), ("world >= 6", lambda r: r["world"] >= 6)):
             sel = [r for r in rows if pick(r)]
             ok = sorted(r["ratio"] for r in sel if r["passed"])

@@ -73,6 +73,8 @@ CASES = [
     ("virtual-stages without pp", "train --virtual-stages 2"),
     ("reduce-dtype without zero", "train --reduce-dtype bfloat16"),
     ("bf16-copies float32", "train --bf16-copies"),
+    ("autocast float32", "train --autocast"),
+    ("autocast with zero", "train --dtype bfloat16 --dp 2 --zero 1 --autocast"),
     ("hardware unknown", "train --hardware tpu-v9"),
     ("hardware malformed JSON", "train --hardware bad.json"),
     ("hardware missing file", "train --hardware missing.toml"),
