@@ -75,7 +75,7 @@ class ExpertShards:
     group: object
     params: list
     scale: float
-    units: list  # ZeRO's units: each MoE layer's experts, in forward order
+    units: list  # ZeRO's units: each block with experts, in forward order (its experts' parameters)
     name: str = "experts"
     replicate: object = None
 
@@ -116,7 +116,12 @@ class MoEParallel:
 
     def param_groups(self, part) -> list:
         mine = expert_parameters(part) if self.edp is not None else []
-        return [ExpertShards(self.edp, mine, self.scale, [m.experts for m in part.moe_layers()])] if mine else []
+        # ZeRO's units: the blocks holding experts (their experts' parameters, the dense ones being
+        # another engine's), so that ZeRO-3 gathers them around the block's call, outside its
+        # checkpointed body: inside, the forward (prefetched) and the recomputation (gathered on
+        # demand) would run different ops, which selective checkpointing refuses
+        blocks = [b for b in part.blocks.values() if isinstance(b.mlp, MoE)]
+        return [ExpertShards(self.edp, mine, self.scale, blocks)] if mine else []
 
 
 def parallelize_moe(parts: list, mesh, layout) -> MoEParallel:
