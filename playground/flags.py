@@ -281,8 +281,8 @@ def _training_flags(p, verb: str) -> None:
                        help="AdamW learning rate (default: the preset's, e.g. "
                             + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items()) + ")")
     t.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE[verb],
-                   help="bfloat16: float32 weights with bf16 compute; float16: ZeRO's fp16 compute copies with "
-                        "dynamic loss scaling" + (" (a PASS in float64 proves most)" if verb == "check" else ""))
+                   help="bfloat16: bf16 compute copies of float32 master weights (--autocast: float32 weights under "
+                        "autocast); float16: ZeRO's fp16 compute copies with dynamic loss scaling" + (" (a PASS in float64 proves most)" if verb == "check" else ""))
     if verb != "plan":  # (a plan prices bf16 as compute copies: playground/planning.py)
         precision = t.add_mutually_exclusive_group()
         precision.add_argument("--autocast", action="store_true",
