@@ -38,6 +38,8 @@ def test_bfloat16_trains_with_compute_copies_and_under_autocast(copies):
     res = train(run)
     assert res.losses[-1] < res.losses[0]
     assert any(e.label.startswith("zero") for e in res.ledger.for_rank(0)) == copies
+    from playground.report import train_summary
+    assert ("bfloat16 (bf16 compute copies of fp32 masters)" if copies else "bfloat16 under autocast") in train_summary(res)
 
 
 def test_prefetch_worker_gives_each_step_its_rows_in_order():
