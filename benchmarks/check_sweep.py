@@ -11,7 +11,8 @@ tp with and without sequence parallelism, pp with each schedule and virtual stag
 zig-zag or contiguous ring attention or Ulysses, ep) and their compositions up to 8 ranks,
 ZeRO stages,
 activation checkpointing, micro-batch sizes and microbatches, 1 to 5 AdamW steps, float64,
-float32 and bfloat16 (compute copies, or autocast without ZeRO), learning rates, weight decay, bucket sizes and reduction after backward, and
+float32, bfloat16 (compute copies, or autocast without ZeRO) and float16 (dense, no pipeline),
+learning rates, weight decay, bucket sizes and reduction after backward, and
 seeds; a draw the layout refuses is drawn again. Each runs `playground.check`; the table
 gives the FAIL count and how close the correct layouts came to their tolerances (a row's
 ratio: its worst error over its tolerance, at most 1 passes).
@@ -95,7 +96,10 @@ def draw(rng: random.Random):
         ep = rng.choice([e for e in _divisors(dp * cp) if model.n_experts % e == 0]) if moe else 1
         zero = rng.choice((0, 1) if pp > 1 else (0, 1, 2, 3))
         u = rng.random()
-        dtype = "float64" if u < 0.6 else "float32" if u < 0.8 else "bfloat16"
+        # float16: ZeRO's loss-scaled compute copies, on dense models without a pipeline (the
+        # two cases it refuses)
+        fp16 = u >= 0.92 and not moe and pp == 1
+        dtype = "float64" if u < 0.55 else "float32" if u < 0.75 else "float16" if fp16 else "bfloat16"
         # bf16 as compute copies of fp32 masters (the default) or under autocast (`--autocast`)
         copies = dtype != "bfloat16" or zero > 0 or rng.random() < 0.67
         layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, schedule=schedule, microbatches=microbatches,
@@ -219,7 +223,8 @@ def main():
         summary = []
         for label, pick in (("all", lambda r: True), ("float64", lambda r: r["dtype"] == "float64"),
                             ("float32", lambda r: r["dtype"] == "float32"),
-                            ("bfloat16", lambda r: r["dtype"] == "bfloat16"), ("MoE", lambda r: r["moe"]),
+                            ("bfloat16", lambda r: r["dtype"] == "bfloat16"),
+                            ("float16", lambda r: r["dtype"] == "float16"), ("MoE", lambda r: r["moe"]),
                             ("5 steps", lambda r: r["steps"] == 5), ("world >= 6", lambda r: r["world"] >= 6)):
             sel = [r for r in rows if pick(r)]
             ok = sorted(r["ratio"] for r in sel if r["passed"])
