@@ -51,7 +51,7 @@ class ParamGroup:
 
 def uses_zero(run) -> bool:
     """The ZeRO engine (at stage 0 too: fp16 loss scaling, bf16 compute copies) or DDP."""
-    return bool(run.layout.zero) or run.dtype == "float16" or (run.dtype == "bfloat16" and run.bf16_copies)
+    return run.dtype in ("bfloat16", "float16") and not run.autocast or bool(run.layout.zero)
 
 
 def data_parallel(parts, stages, groups, run, device) -> tuple:

@@ -135,9 +135,8 @@ def reference_steps(run: RunConfig, tol: dict, states: list, replays: list | Non
     in the bf16 run's own recipe instead of float64 (bf16 weights rounded from the state, or
     float32 ones under autocast), whose gradients say how far bf16's rounding alone moves them."""
     cfg, layout = run.model, run.layout
-    copies = run.bf16_copies or bool(run.layout.zero)
-    model = reference_model(run, (torch.bfloat16 if copies else torch.float32) if low_precision else torch.float64)
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if low_precision and not copies
+    model = reference_model(run, (torch.float32 if run.autocast else torch.bfloat16) if low_precision else torch.float64)
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if low_precision and run.autocast
                 else contextlib.nullcontext())
     params = dict(model.named_parameters())
     opt = torch.optim.AdamW(params.values(), lr=run.lr, betas=run.betas, weight_decay=run.weight_decay)

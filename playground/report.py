@@ -80,7 +80,7 @@ def train_summary(res) -> str:
     lines = [
         f"\nplayground train: {run.layout.describe()}, model {cfg.n_params():,} parameters "
         f"(d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads), backend {run.backend}, {run.dtype}"
-        + ((" (bf16 compute copies of fp32 masters)" if run.bf16_copies or run.layout.zero else " under autocast")
+        + ((" under autocast" if run.autocast else " (bf16 compute copies of fp32 masters)")
            if run.dtype == "bfloat16" else ""),
         f"data: {res.data}" + (f"; resumed from {run.resume} after step {res.start}" if run.resume else ""),
         f"global batch: {run.layout.global_batch} sequences × {cfg.seq_len} tokens = {run.tokens_per_step:,} tokens/step "

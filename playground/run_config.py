@@ -136,6 +136,12 @@ class RunConfig:
                                  f"(0..{layout.world - 1})")
 
     @property
+    def autocast(self) -> bool:
+        """bf16 under torch.autocast over float32 weights (`--autocast`): bf16 without compute
+        copies (`bf16_copies` False) and without ZeRO, which keeps its own."""
+        return self.dtype == "bfloat16" and not (self.bf16_copies or self.layout.zero)
+
+    @property
     def param_dtype(self):
         """Weights, gradients and optimizer states: bfloat16 runs keep them in float32."""
         return torch_dtype("float32" if self.dtype in ("bfloat16", "float16") else self.dtype)

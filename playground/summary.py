@@ -98,8 +98,8 @@ def _run_json(run) -> dict:
         "run": {"steps": run.steps, "dtype": run.dtype, "reduce_dtype": run.reduce_dtype, "grad_dtype": run.grad_dtype,
                 "backend": run.backend,
                 "hardware": run.hardware, "compile": run.compile, "cuda_graphs": run.cuda_graphs,
-                "bf16_copies": run.dtype == "bfloat16" and run.bf16_copies,
-                "autocast": run.dtype == "bfloat16" and not run.bf16_copies, "fused_master_step": run.fused_master_step,
+                "bf16_copies": run.dtype == "bfloat16" and not run.autocast,
+                "autocast": run.autocast, "fused_master_step": run.fused_master_step,
                 "grad_overlap": run.grad_overlap, "seed": run.seed, "lr": run.lr,
                 "data": run.data or "markov", "tokens_per_step": run.tokens_per_step},
     }
