@@ -358,6 +358,7 @@ def check_summary(rep, verbose: bool = True) -> str:
         return "\n".join(lines)
     worst = {w: rep.worst(w) for w in ("loss", "grad", "weight")}
     errors = ", ".join(f"{label} {worst[w].max_rel:.2e}" + (f" ({worst[w].label})" if w != "loss" else "")
+                       + (" not judged" if w in unjudged else "")
                        for w, label in (("loss", "loss"), ("grad", "gradient"), ("weight", "weight")) if worst[w])
     lines.append(f"\n{verdict}: worst relative errors: {errors}; closest to its tolerance: {closest.what} "
                  f"{closest.label} at {_of_tolerance(closest)} of it ({margin_text(closest.ratio)})")

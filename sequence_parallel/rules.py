@@ -23,7 +23,7 @@ def problem(config, cp: int, impl: str, balance: str, tp: int = 1) -> str | None
     n = n_chunks(cp, balance)
     if c.seq_len % n:
         what = "2·cp" if balance == "zigzag" else "cp"
-        fits = [d for d in divisors(c.seq_len) if c.seq_len % n_chunks(d, balance) == 0]
+        fits = [d for d in divisors(c.seq_len) if d == 1 or c.seq_len % n_chunks(d, balance) == 0]  # (cp 1 cuts nothing)
         return (f"seq_len={c.seq_len} is not divisible by {what} = {n} ({balance} cuts the sequence into {n} "
                 f"chunks); cp could be one of {fits}, or seq_len a multiple of {n}")
     if impl == "ulysses" and c.kv_heads % (cp * tp):

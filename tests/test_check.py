@@ -129,6 +129,9 @@ def test_float16_and_init_from_are_checked(tmp_path):
     rep = check(RunConfig(model=preset("tiny"), layout=Layout(dp=2, zero=1, micro_batch_size=2), steps=2,
                           dtype="float16", progress=False))
     assert rep.passed and rep.tolerance["weight"] is None
+    from playground.report import check_summary
+    verdict = check_summary(rep).splitlines()[-1]  # an unjudged worst error is not read as a passed one
+    assert verdict.startswith("PASS") and " not judged; closest" in verdict, verdict
     from model import GPT
     state = {n: p.detach() * 1.5 for n, p in GPT(preset("tiny"), seed=3).named_parameters()}
     torch.save(state, tmp_path / "gpt.pt")

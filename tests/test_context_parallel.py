@@ -1,6 +1,7 @@
 """Context parallelism: ring attention (zig-zag and contiguous) and Ulysses against full
 attention, every layout through the equivalence check, sabotaged rings that must fail,
 the ledger's closed forms, and the causal work per rank on the simulated clock."""
+import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
@@ -233,3 +234,8 @@ def test_activations_per_rank_fall_as_one_over_cp():
 def test_layouts_that_do_not_fit_are_refused_with_the_numbers(layout, message):
     with pytest.raises(LayoutError, match=message):
         layout.validate(CFG)
+
+
+def test_an_odd_sequence_is_offered_cp_1_not_an_empty_list():
+    with pytest.raises(LayoutError, match=r"cp could be one of \[1\], or seq_len a multiple of 4"):
+        Layout(cp=2).validate(dataclasses.replace(CFG, seq_len=33))
