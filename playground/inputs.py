@@ -298,7 +298,12 @@ def check_files(args, run) -> None:
         make_source(run.data, run.model.vocab_size, run.seed, run.model.seq_len)  # a bad data file fails here
     from .checkpoint import CheckpointError, has_checkpoint, read_index, resume_point
     if run.resume:
-        resume_point(read_index(run.resume, run.model), run.resume, run)
+        index = read_index(run.resume, run.model)
+        resume_point(index, run.resume, run)
+        passed = [f for f in run.faults if f.kind != "slow" and f.step <= index["step"]]  # (slow lasts from its step on)
+        if passed:
+            raise ValueError(f"--inject {passed[0]}: step {passed[0].step} is not after the checkpoint's step "
+                             f"{index['step']} that --resume continues from; it would never fire")
     if run.save:
         same = run.resume and os.path.abspath(run.resume) == os.path.abspath(run.save)
         if has_checkpoint(run.save) and not args.overwrite and not same:

@@ -134,6 +134,9 @@ class RunConfig:
             if f.rank >= layout.world:
                 raise ValueError(f"--inject {f}: rank {f.rank} is not in the world of {layout.world} ranks "
                                  f"(0..{layout.world - 1})")
+            if f.step > self.steps:
+                raise ValueError(f"--inject {f}: step {f.step} is after the run's last step ({self.steps}, "
+                                 f"--steps); it would never fire")
 
     @property
     def autocast(self) -> bool:

@@ -37,6 +37,8 @@ def test_faults_parse_and_bad_ones_name_the_text():
             parse_fault(bad)
     with pytest.raises(ValueError, match=r"rank 4 is not in the world of 2 ranks"):
         _run(faults=(Fault("crash", 1, 4),))
+    with pytest.raises(ValueError, match=r"step 9 is after the run's last step \(4, --steps\); it would never fire"):
+        _run(steps=4, faults=(Fault("crash", 9, 1),))
 
 
 # -- detection ----------------------------------------------------------------------------------
@@ -244,6 +246,17 @@ def test_the_command_line_tells_what_each_fault_cost(tmp_path):
     assert "the step skipped on every rank" in out.stdout
     bad = _cli("train", "--inject", "crash@x:1")
     assert bad.returncode == 2 and "--inject 'crash@x:1'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_fault_before_the_resumed_checkpoint_is_refused_as_one_that_never_fires(tmp_path, cli):
+    ck = tmp_path / "ck"
+    assert cli("train", "--dp", "2", "--steps", "3", "--save", ck, "--no-progress")[0] == 0
+    status, out, err = cli("train", "--dp", "2", "--steps", "6", "--resume", ck, "--inject", "crash@3:1")
+    assert status == 2 and out == "" and err.count("\n") == 1, err
+    assert "--inject crash@3:1: step 3 is not after the checkpoint's step 3 that --resume continues from" in err
+    status, out, err = cli("train", "--dp", "2", "--steps", "5", "--resume", ck, "--inject", "slow:2@2:1",
+                           "--no-progress")
+    assert status == 0, err  # a slow rank stays slow from its step on: it still applies
 
 
 @pytest.mark.slow
