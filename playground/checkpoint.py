@@ -8,7 +8,7 @@ Format (version 1), in a folder:
 
 index.json: {"format": "playground-checkpoint", "version": 1, "step": steps taken, "data":
 "step000020", "model": GPTConfig fields, "layout": Layout fields, "run": dtype, seed, lr,
-"scalers": fp16 loss scalers, "files": {"rank0.bin": bytes, ...}, "pieces": [{"kind":
+"scalers": fp16 loss scalers, "optimizer_steps": AdamW's updates, "files": {"rank0.bin": bytes, ...}, "pieces": [{"kind":
 "param" | "exp_avg" | "exp_avg_sq" | "buffer", "placement": {"name", "shape", "cuts"}, "file", "offset",
 "nbytes", "dtype", "shape"}]}. A piece is a local tensor: a parameter's weights (the master
 weights under mixed precision), AdamW's moments, or a "buffer" (optimizer-free state: the MoE
@@ -24,7 +24,9 @@ Loading (resharding): for each tensor a rank needs, the saved pieces of the same
 kind whose range of the full tensor overlaps the needed one are read and assembled into
 the full tensor, and the local piece is cut from it by its placement: TP slices with their
 vocabulary padding, ZeRO flat shards with theirs, pipeline stages, expert ranges. AdamW's
-step count is the checkpoint's step (every parameter has taken every step). What is random
+step count is the updates it made (`optimizer_steps`: fewer than the steps where a step was
+skipped, for a non-finite gradient or an fp16 overflow; every parameter takes the same
+updates, so one count serves all). What is random
 in training is a function of (seed, step): the data, and attention dropout's masks
 (model/dropout.py reseeds its generators every step from (seed, rank, layer, step)), so
 resuming at step k reads the same batches and draws the same masks an uninterrupted run
@@ -240,7 +242,9 @@ class Reader:
 def load(model, directory: str, index: dict) -> int:
     """Fill `model` (a ParallelModel) from the checkpoint; returns the step to resume at."""
     reader = Reader(directory, index)
-    model.load_state(reader.fill, index["step"])
+    # AdamW's own count: fewer than the steps where some were skipped (checkpoints written
+    # before it was recorded: every step was taken)
+    model.load_state(reader.fill, index.get("optimizer_steps", index["step"]))
     for scaler, saved in zip(getattr(model.optimizer, "scalers", []), index.get("scalers", [])):
         scaler.scale, scaler.good_steps, scaler.skipped = saved["scale"], saved["good_steps"], saved["skipped"]
     return index["step"]
@@ -275,7 +279,7 @@ def metadata(run, model) -> dict:
         layout["stage_layers"] = list(layout["stage_layers"])
     scalers = [{"scale": s.scale, "good_steps": s.good_steps, "skipped": s.skipped}
                for s in getattr(model.optimizer, "scalers", [])]
-    return {"model": run.model.to_dict(), "layout": layout, "scalers": scalers,
+    return {"model": run.model.to_dict(), "layout": layout, "scalers": scalers, "optimizer_steps": model.steps_taken(),
             "run": {"dtype": run.dtype, "seed": run.seed, "lr": run.lr, "betas": list(run.betas),
                     "weight_decay": run.weight_decay}}
 

@@ -30,7 +30,7 @@ import torch
 from model.regions import optimizer_kernel
 from ddp import DistributedDataParallel
 from model import placement_of
-from zero.optimizer import adamw, step_count, step_unless
+from zero.optimizer import adamw, step_count, step_unless, steps_taken
 from simulator.memory import storage_bytes
 from zero import ZeroDataParallel
 
@@ -167,6 +167,10 @@ class ReplicatedAdamW:
         """Drop this step's gradients without updating (a step found non-finite)."""
         self.optimizer.zero_grad(set_to_none=not self.buckets)
 
+    def steps_taken(self) -> int:
+        """AdamW's updates so far (`zero.optimizer.steps_taken`)."""
+        return steps_taken(self.optimizer)
+
     def pieces(self, what: str) -> list:
         out = []
         for m in self.parts:
@@ -226,6 +230,10 @@ class ShardedOptimizer:
     def skip_step(self) -> None:
         for e in self.engines:
             e.skip_step()
+
+    def steps_taken(self) -> int:
+        """AdamW's updates so far: every engine skips the same steps."""
+        return max((steps_taken(e.optimizer) for e in self.engines), default=0)
 
     def state_tensors(self) -> dict:
         out = {"parameters": [], "gradients": [], "optimizer": []}

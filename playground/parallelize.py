@@ -159,8 +159,13 @@ class ParallelModel:
         "buffer"s (`buffers`) (checkpoints)."""
         return self.optimizer.state_pieces() + [("buffer", pl, t) for pl, t in self.buffers()]
 
+    def steps_taken(self) -> int:
+        """AdamW's updates so far (fewer than the training steps where some were skipped)."""
+        return self.optimizer.steps_taken()
+
     def load_state(self, fill, step: int) -> None:
-        """Set every local weight, moment and buffer from `fill(kind, placement)`; AdamW's step count."""
+        """Set every local weight, moment and buffer from `fill(kind, placement)`; `step`:
+        AdamW's step count (its updates, `steps_taken`)."""
         self.optimizer.load_state(fill, step)
         with torch.no_grad():
             for pl, t in self.buffers():

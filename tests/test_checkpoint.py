@@ -266,6 +266,35 @@ def test_the_fp16_loss_scalers_state_is_resumed(tmp_path, monkeypatch):
     assert scalers[0] == scalers[1] and scalers[0][0]["good_steps"] == 4 and scalers[0][0]["scale"] == 2.0 ** 12
 
 
+@pytest.mark.parametrize("name,layout,dtype", [
+    ("ddp, a NaN skipped", Layout(dp=2, micro_batch_size=2), "float64"),
+    ("zero3, a NaN skipped", Layout(dp=2, zero=3, micro_batch_size=2), "float64"),
+    ("zero1 fp16, an overflow skipped", Layout(dp=2, zero=1, micro_batch_size=2), "float16")])
+def test_resuming_after_a_skipped_step_is_bit_identical(name, layout, dtype, tmp_path, monkeypatch):
+    """A skipped step (--on-nan skip, or an fp16 overflow: a loss scale of 2^40 overflows at
+    once) leaves AdamW one update behind the step: the checkpoint keeps its own count, so
+    that the resumed bias correction is the uninterrupted run's."""
+    from playground.faults import Fault
+    if dtype == "float16":
+        import zero.loss_scaler as ls
+        real = ls.DynamicLossScaler.__init__
+        monkeypatch.setattr(ls.DynamicLossScaler, "__init__", lambda self, init_scale=2.0 ** 40, **kw: real(self, init_scale))
+        kw = {}
+    else:
+        kw = {"faults": (Fault("nan", 2, 0),), "on_nan": "skip"}
+    whole = train(_run(layout, 5, dtype, **kw), collect=True)
+    assert whole.values[0]["skipped_steps"] == ([] if dtype == "float16" else [2])
+    train(_run(layout, 3, dtype, save=str(tmp_path), **kw))
+    index = json.loads((tmp_path / "index.json").read_text())
+    assert index["step"] == 3 and index["optimizer_steps"] < 3, index["optimizer_steps"]
+    resumed = train(_run(layout, 5, dtype, resume=str(tmp_path)), collect=True)
+    assert resumed.losses == whole.losses[3:]
+    for step in (3, 4):
+        for what in ("param", "exp_avg", "exp_avg_sq"):
+            a, b = _full(whole, what, step), _full(resumed, what, step)
+            assert all(torch.equal(a[n], b[n]) for n in a), (step, what)
+
+
 # -- resharding, element by element ------------------------------------------------------------------
 KIND_OFFSET = {"param": 0, "exp_avg": 100_000, "exp_avg_sq": 200_000}
 RESHARD_CFG = preset("tiny", vocab_size=61)  # (61: the vocabulary is padded for tp 2)

@@ -20,6 +20,14 @@ def step_count(optimizer: torch.optim.Optimizer, param: torch.Tensor, step: int)
     return torch.tensor(float(step), dtype=torch.float32, device=param.device if fused else "cpu")
 
 
+def steps_taken(optimizer: torch.optim.Optimizer) -> int:
+    """The updates AdamW has made (its state's step count; 0 before its first): fewer than the
+    training steps where some were skipped (a non-finite gradient, an fp16 overflow), and
+    what its bias correction (Kingma & Ba 2015, section 2) goes on from after a resume."""
+    counts = {float(st["step"]) for st in optimizer.state.values() if "step" in st}
+    return int(max(counts, default=0.0))
+
+
 def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None) -> bool:
     """`optimizer.step()` unless `found_inf` (a 0-d float32 tensor: 1.0 where a gradient held a
     NaN or an Inf) says to skip it. torch's fused kernel skips on the device, leaving the step
