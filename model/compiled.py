@@ -25,6 +25,16 @@ def compiled(fn):
     return torch.compile(fn, dynamic=False)
 
 
+def as_dtype(t, dtype):
+    """`t` in `dtype`: `t` itself where it is in it already, without the `.to()` that would
+    return it. torch 2.11's Dynamo differentiates an autograd.Function whose forward returns
+    such a no-op `.to()` of one of its own results wrongly (`--compile` on float32 or float64:
+    the gradients of every layer below it, up to 100% off; torch 2.13 does not), so the
+    Functions traced into a compiled block (FusedRMSNorm, ScaledCausalSoftmax: model/gpt.py)
+    cast only what changes dtype."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def fused_on(fn, t):
     """`fn` as it runs on `t`'s device: compiled on CUDA, op by op elsewhere; as it is inside
     code torch.compile traces already (`--compile`: traced into the caller's graph)."""

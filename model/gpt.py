@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .compiled import fused_on
+from .compiled import as_dtype, fused_on
 from .config import GPTConfig
 from .dropout import dropout, dropout_generator, seed_dropout
 from .regions import fused_kernel
@@ -52,7 +52,7 @@ class FusedRMSNorm(torch.autograd.Function):
         h = x.to(torch.promote_types(x.dtype, torch.float32))
         with fused_kernel(2 * x.nbytes + weight.nbytes + h[..., :1].nbytes, "_fused_rms_norm"):
             r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-            y = (h * r * weight.to(h.dtype)).to(x.dtype)
+            y = as_dtype(h * r * weight.to(h.dtype), x.dtype)
         ctx.save_for_backward(x, weight, r)
         return y
 
@@ -64,10 +64,10 @@ class FusedRMSNorm(torch.autograd.Function):
             h = x.to(r.dtype)
             n, g = h * r, dy.to(r.dtype)
             dn = g * weight.to(r.dtype)
-            dx = (r * (dn - n * (dn * n).mean(-1, keepdim=True))).to(x.dtype)
+            dx = as_dtype(r * (dn - n * (dn * n).mean(-1, keepdim=True)), x.dtype)
         if ctx.needs_input_grad[1]:
             with fused_kernel(2 * x.nbytes + r.nbytes + weight.nbytes, "_fused_rms_norm_backward"):
-                dw = (g * n).flatten(0, -2).sum(0).to(weight.dtype)
+                dw = as_dtype((g * n).flatten(0, -2).sum(0), weight.dtype)
         return dx, dw, None
 
 
@@ -114,14 +114,14 @@ def _causal_softmax(scores, scale: float):
     s = scores.shape[-1]
     i = torch.arange(s, device=scores.device)
     h = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
-    return torch.softmax(h.masked_fill(i[None, :] > i[:, None], float("-inf")), dim=-1).to(scores.dtype)
+    return as_dtype(torch.softmax(h.masked_fill(i[None, :] > i[:, None], float("-inf")), dim=-1), scores.dtype)
 
 
 def _causal_softmax_backward(p, g, scale: float):
     """The scores' gradient of `_causal_softmax`: scale · p · (g − Σ g·p)."""
     wide = torch.promote_types(p.dtype, torch.float32)
     pf, gf = p.to(wide), g.to(wide)
-    return (scale * pf * (gf - (gf * pf).sum(-1, keepdim=True))).to(p.dtype)
+    return as_dtype(scale * pf * (gf - (gf * pf).sum(-1, keepdim=True)), p.dtype)
 
 
 class ScaledCausalSoftmax(torch.autograd.Function):

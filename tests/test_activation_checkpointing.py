@@ -168,25 +168,35 @@ def test_no_gradients_no_checkpoint():
 
 
 # -- compile -------------------------------------------------------------------------------------------------
-def test_compiled_blocks_compute_the_same_loss_and_gradients():
+@pytest.mark.parametrize("attention", ["flash", "unfused"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_compiled_blocks_compute_the_same_loss_and_gradients(attention, dtype):
     """The compile transform keeps the numbers (dynamo's graphs run eagerly here: inductor's
-    kernels are the GPU's business), with and without full checkpointing."""
+    kernels are the GPU's business), with and without full checkpointing, through the
+    model's own autograd Functions (RMSNorm's on the CPU, the unfused attention's softmax),
+    in the dtypes where their casts are no-ops (model/compiled.py, `as_dtype`)."""
     from activation_checkpointing import checkpoint_blocks
     from model import GPT
     from playground.parallelize import compile_blocks
+    cfg = CFG.with_(attention=attention)
     x = torch.randint(0, 61, (2, 17))
     got = {}
     for name, ac_mode, compiled in (("eager", "none", False), ("compiled", "none", True), ("both", "full", True)):
-        m = GPT(CFG, dtype=torch.float64)
+        torch._dynamo.reset()
+        m = GPT(cfg, dtype=dtype)
         checkpoint_blocks(m, ac_mode)
         if compiled:
             compile_blocks(m, backend="eager")
         loss = m(x[:, :-1], x[:, 1:])
         loss.backward()
-        got[name] = (loss.detach(), [p.grad for p in m.parameters()])
+        got[name] = (loss.detach(), [(n, p.grad) for n, p in m.named_parameters()])
     for name in ("compiled", "both"):
         assert torch.equal(got[name][0], got["eager"][0])
-        assert all(torch.allclose(a, b, rtol=1e-12, atol=0) for a, b in zip(got[name][1], got["eager"][1]))
+        # each gradient within a few roundings of its largest element: dynamo's graph may
+        # order a sum otherwise (and a BLAS round otherwise on another machine), which moves
+        # an element near zero by more than that of itself
+        for (n, a), (_, b) in zip(got[name][1], got["eager"][1]):
+            assert (a - b).abs().max() <= 1e3 * torch.finfo(dtype).eps * b.abs().max(), (name, n)
 
 
 def test_compile_is_refused_where_it_cannot_run():
