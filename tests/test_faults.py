@@ -264,7 +264,7 @@ def test_torchrun_restarts_a_crashed_job_that_resumes_auto(tmp_path):
     """Under torchrun (gloo on the CPU), --resume auto makes torchrun's own --max-restarts
     continue the run from the newest checkpoint: the final weights are the uninterrupted run's."""
     base = ["--dp", "2", "--steps", "6", "--save-every", "2", "--backend", "torch", "--no-progress"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # (gloo, also where a GPU is)
 
     def torchrun(*args, restarts=0):
         return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
