@@ -200,7 +200,7 @@ def _launch_gloo(fn, n, args, kwargs, timeout) -> LaunchResult:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    d = tempfile.mkdtemp(prefix="playground-gloo-")
+    d = tempfile.mkdtemp(prefix=f"playground-gloo-{os.getpid()}-")  # (the launcher's pid: whose folder it is)
     procs = []
     try:
         store = os.path.join(d, "store")

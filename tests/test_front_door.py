@@ -185,14 +185,13 @@ def _alive(pid):
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process table from /proc (Linux)")
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
 def test_gloo_ranks_die_with_their_launcher_and_the_folder_goes(how):
-    before = set(glob.glob(os.path.join(os.environ.get("TMPDIR", "/tmp"), "playground-gloo-*")))
     p = subprocess.Popen([sys.executable, "-m", "playground", "train", "--backend", "gloo", "--world", "2",
                           "--steps", "100000", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, start_new_session=True, preexec_fn=_terminal_sigint)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         kids = _children(p.pid)
-        made = set(glob.glob(os.path.join(os.environ.get("TMPDIR", "/tmp"), "playground-gloo-*"))) - before
+        made = set(glob.glob(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"playground-gloo-{p.pid}-*")))
         if len(kids) >= 2 and made and all(os.path.exists(os.path.join(d, "store")) for d in made):
             break
         time.sleep(0.2)
