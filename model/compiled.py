@@ -30,8 +30,8 @@ def as_dtype(t, dtype):
     return it. torch 2.11's Dynamo differentiates an autograd.Function whose forward returns
     such a no-op `.to()` of one of its own results wrongly (`--compile` on float32 or float64:
     the gradients of every layer below it, up to 100% off; torch 2.13 does not), so the
-    Functions traced into a compiled block (FusedRMSNorm, ScaledCausalSoftmax: model/gpt.py)
-    cast only what changes dtype."""
+    Functions traced into a compiled block (FusedRMSNorm, ScaledCausalSoftmax: model/gpt.py;
+    ring attention's: sequence_parallel/ring.py) cast only what changes dtype."""
     return t if t.dtype == dtype else t.to(dtype)
 
 

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from collectives import P2POp
+from model.compiled import as_dtype
 from model.regions import fused_kernel
 from model.gpt import expand_kv
 
@@ -166,7 +167,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, balance):
         with _exact(q):
             out, lse, ctx.flash_aux = _ring_forward(q, k, v, group, balance)
-        out = out.to(q.dtype)
+        out = as_dtype(out, q.dtype)  # (no no-op .to() returned: model/compiled.py)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.balance = group, balance
         ctx.c = q.shape[2] // len(chunks_of(group.rank, group.size, balance))
