@@ -71,6 +71,7 @@ def _export(args) -> int:
         print(f"playground export: {e}", file=sys.stderr)
         return 2
     tmp = args.file + ".tmp"
+    os.makedirs(os.path.dirname(os.path.abspath(args.file)), exist_ok=True)  # (as --json and --save make theirs)
     torch.save(state, tmp)
     os.replace(tmp, args.file)
     n = sum(t.numel() for t in state.values())

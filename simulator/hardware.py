@@ -210,4 +210,32 @@ def hardware_from_dict(data: dict, where: str = "profile") -> Hardware:
         except (TypeError, ValueError, AttributeError):
             raise ValueError(f"hardware file {where!r}: {n} = {data[n]!r} is not a number "
                              f"(or, for matmul_tiles and attention_table, pairs of numbers)") from None
+    for n, x in values.items():
+        wrong = _out_of_range(n, x)
+        if wrong:
+            raise ValueError(f"hardware file {where!r}: {n} = {data[n]!r} {wrong}")
     return Hardware(**values)
+
+
+_FRACTIONS = ("matmul_fraction", "hbm_fraction", "attention_fraction")  # of a peak: in (0, 1]
+_AT_LEAST_ZERO = ("nvlink_latency", "network_latency", "kernel_floor", "collective_floor", "overlap_slowdown")
+
+
+def _out_of_range(name: str, x):
+    """What is wrong with a profile's value `x` of field `name` (None: nothing): every number
+    finite; fractions of a peak in (0, 1]; latencies, floors and the overlap slowdown at
+    least 0; rates, capacities and counts above 0."""
+    if x is None or name in ("name", "source"):
+        return None
+    if name == "matmul_tiles":
+        return None if all(a > 0 and b > 0 for a, b in x) else "must be pairs of tile sides above 0"
+    if name == "attention_table":
+        ok = all(d > 0 and s > 0 and 0 < f <= 1 for d, pts in x.items() for s, f in pts)
+        return None if ok else "must map head dimensions above 0 to (sequence above 0, fraction in (0, 1]) pairs"
+    if not math.isfinite(x):
+        return "must be a finite number"
+    if name in _FRACTIONS:
+        return None if 0 < x <= 1 else "must be a fraction of the peak, in (0, 1]"
+    if name in _AT_LEAST_ZERO:
+        return None if x >= 0 else "must be at least 0"
+    return None if x > 0 else "must be above 0"

@@ -180,7 +180,7 @@ def test_another_model_and_an_occupied_folder_are_refused(tmp_path):
 @pytest.mark.slow
 def test_export_gives_the_reference_state_dict_and_init_from_starts_there(tmp_path):
     d = _saved(tmp_path)
-    out = tmp_path / "gpt.pt"
+    out = tmp_path / "exported" / "gpt.pt"  # (a folder not there yet: export makes it)
     p = _cli("export", str(d), str(out))
     assert p.returncode == 0, p.stderr
     state = torch.load(out, weights_only=True)

@@ -67,6 +67,25 @@ def test_bad_input_is_one_line_naming_the_flag_and_exit_2(args, message, tmp_pat
     assert "Traceback" not in err and "usage:" not in err
 
 
+@pytest.mark.parametrize("field,value,message", [
+    ("peak_bf16_flops", -1, "peak_bf16_flops = -1 must be above 0"),
+    ("matmul_fraction", 1.5, "matmul_fraction = 1.5 must be a fraction of the peak, in (0, 1]"),
+    ("gpus_per_node", 0, "gpus_per_node = 0 must be above 0"),
+    ("kernel_floor", float("nan"), "kernel_floor = nan must be a finite number"),
+    ("nvlink_latency", -1e-6, "nvlink_latency = -1e-06 must be at least 0"),
+    ("matmul_tiles", [[128, 0]], "matmul_tiles = [[128, 0]] must be pairs of tile sides above 0"),
+    ("attention_table", {"64": [[1024, 2.0]]}, "must map head dimensions above 0 to (sequence above 0, fraction in (0, 1]) pairs"),
+])
+def test_a_profile_out_of_range_is_refused_naming_the_field(field, value, message, tmp_path, cli):
+    """A hardware file whose numbers cannot be a GPU's (a negative peak, a fraction over 1, no
+    GPUs per node, NaN) is refused in one line, not planned (nor divided by)."""
+    from simulator.hardware import load_hardware
+    profile = {**load_hardware("h200").to_dict(), field: value}
+    (tmp_path / "p.json").write_text(json.dumps(profile))
+    status, out, err = cli("plan", "--dp", "2", "--hardware", tmp_path / "p.json")
+    assert status == 2 and out == "" and err.count("\n") == 1 and message in err, err
+
+
 def _bare(args: list) -> subprocess.CompletedProcess:
     """The command in a fresh interpreter, reporting whether torch was imported."""
     code = ("import sys\nfrom playground.cli import main\ncode = main(sys.argv[1:])\n"
