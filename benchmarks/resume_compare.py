@@ -54,9 +54,12 @@ def main() -> None:
     ap.add_argument("--losses", nargs=2, metavar=("WHOLE_JSON", "RESUMED_JSON"))
     a = ap.parse_args()
     found = differences(a.whole, a.resumed, a.losses)
-    n = len(pieces(a.whole)[1])
-    print(f"{a.whole} against {a.resumed}: " + ("same (every one of %d pieces bit for bit%s)" % (
-        n, ", and the losses" if a.losses else "") if not found else f"differs in {len(found)}: " + "; ".join(found[:4])))
+    if found:
+        verdict = f"differs in {len(found)}: " + "; ".join(found[:4])
+    else:
+        losses = ", and the losses" if a.losses else ""
+        verdict = f"same (every one of {len(pieces(a.whole)[1])} pieces bit for bit{losses})"
+    print(f"{a.whole} against {a.resumed}: {verdict}")
     sys.exit(1 if found else 0)
 
 
