@@ -222,9 +222,11 @@ _AT_LEAST_ZERO = ("nvlink_latency", "network_latency", "kernel_floor", "collecti
 
 
 def _out_of_range(name: str, x):
-    """What is wrong with a profile's value `x` of field `name` (None: nothing): every number
-    finite; fractions of a peak in (0, 1]; latencies, floors and the overlap slowdown at
-    least 0; rates, capacities and counts above 0."""
+    """What is wrong with a profile's value `x` of field `name` (None: nothing): fractions of a
+    peak in (0, 1]; latencies, floors and the overlap slowdown finite and at least 0; a
+    bandwidth above 0, infinite allowed (no cost per byte: what calibrate writes where a
+    collective's time did not grow with its size); every other rate, capacity and count
+    finite and above 0."""
     if x is None or name in ("name", "source"):
         return None
     if name == "matmul_tiles":
@@ -232,10 +234,10 @@ def _out_of_range(name: str, x):
     if name == "attention_table":
         ok = all(d > 0 and s > 0 and 0 < f <= 1 for d, pts in x.items() for s, f in pts)
         return None if ok else "must map head dimensions above 0 to (sequence above 0, fraction in (0, 1]) pairs"
-    if not math.isfinite(x):
-        return "must be a finite number"
     if name in _FRACTIONS:
         return None if 0 < x <= 1 else "must be a fraction of the peak, in (0, 1]"
     if name in _AT_LEAST_ZERO:
-        return None if x >= 0 else "must be at least 0"
-    return None if x > 0 else "must be above 0"
+        return None if math.isfinite(x) and x >= 0 else "must be a finite number at least 0"
+    if name.endswith("_bandwidth"):
+        return None if x > 0 else "must be above 0 (inf: no cost per byte)"
+    return None if math.isfinite(x) and x > 0 else "must be a finite number above 0"

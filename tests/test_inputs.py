@@ -68,11 +68,13 @@ def test_bad_input_is_one_line_naming_the_flag_and_exit_2(args, message, tmp_pat
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("peak_bf16_flops", -1, "peak_bf16_flops = -1 must be above 0"),
+    ("peak_bf16_flops", -1, "peak_bf16_flops = -1 must be a finite number above 0"),
     ("matmul_fraction", 1.5, "matmul_fraction = 1.5 must be a fraction of the peak, in (0, 1]"),
-    ("gpus_per_node", 0, "gpus_per_node = 0 must be above 0"),
-    ("kernel_floor", float("nan"), "kernel_floor = nan must be a finite number"),
-    ("nvlink_latency", -1e-6, "nvlink_latency = -1e-06 must be at least 0"),
+    ("gpus_per_node", 0, "gpus_per_node = 0 must be a finite number above 0"),
+    ("kernel_floor", float("nan"), "kernel_floor = nan must be a finite number at least 0"),
+    ("nvlink_latency", -1e-6, "nvlink_latency = -1e-06 must be a finite number at least 0"),
+    ("hbm_bandwidth", 0, "hbm_bandwidth = 0 must be above 0 (inf: no cost per byte)"),
+    ("peak_bf16_flops", float("inf"), "peak_bf16_flops = inf must be a finite number above 0"),
     ("matmul_tiles", [[128, 0]], "matmul_tiles = [[128, 0]] must be pairs of tile sides above 0"),
     ("attention_table", {"64": [[1024, 2.0]]}, "must map head dimensions above 0 to (sequence above 0, fraction in (0, 1]) pairs"),
 ])
@@ -84,6 +86,16 @@ def test_a_profile_out_of_range_is_refused_naming_the_field(field, value, messag
     (tmp_path / "p.json").write_text(json.dumps(profile))
     status, out, err = cli("plan", "--dp", "2", "--hardware", tmp_path / "p.json")
     assert status == 2 and out == "" and err.count("\n") == 1 and message in err, err
+
+
+def test_a_profile_may_say_a_bandwidth_costs_nothing(tmp_path, cli):
+    """An infinite bandwidth (calibrate's fit where a collective's time did not grow with its
+    size, as on one host's gloo) is a profile's number, planned as no cost per byte."""
+    from simulator.hardware import load_hardware
+    profile = {**load_hardware("h200").to_dict(), "nvlink_bandwidth": float("inf")}
+    (tmp_path / "p.json").write_text(json.dumps(profile))
+    status, out, err = cli("plan", "--dp", "2", "--hardware", tmp_path / "p.json")
+    assert status == 0, err
 
 
 def _bare(args: list) -> subprocess.CompletedProcess:
