@@ -81,21 +81,22 @@ def test_bad_input_is_one_line_naming_the_flag_and_exit_2(args, message, tmp_pat
 def test_a_profile_out_of_range_is_refused_naming_the_field(field, value, message, tmp_path, cli):
     """A hardware file whose numbers cannot be a GPU's (a negative peak, a fraction over 1, no
     GPUs per node, NaN) is refused in one line, not planned (nor divided by)."""
-    from simulator.hardware import load_hardware
-    profile = {**load_hardware("h200").to_dict(), field: value}
-    (tmp_path / "p.json").write_text(json.dumps(profile))
-    status, out, err = cli("plan", "--dp", "2", "--hardware", tmp_path / "p.json")
+    status, out, err = _plan_on_h200_with(field, value, tmp_path, cli)
     assert status == 2 and out == "" and err.count("\n") == 1 and message in err, err
 
 
 def test_a_profile_may_say_a_bandwidth_costs_nothing(tmp_path, cli):
     """An infinite bandwidth (calibrate's fit where a collective's time did not grow with its
     size, as on one host's gloo) is a profile's number, planned as no cost per byte."""
-    from simulator.hardware import load_hardware
-    profile = {**load_hardware("h200").to_dict(), "nvlink_bandwidth": float("inf")}
-    (tmp_path / "p.json").write_text(json.dumps(profile))
-    status, out, err = cli("plan", "--dp", "2", "--hardware", tmp_path / "p.json")
+    status, out, err = _plan_on_h200_with("nvlink_bandwidth", float("inf"), tmp_path, cli)
     assert status == 0, err
+
+
+def _plan_on_h200_with(field, value, tmp_path, cli):
+    """`plan --dp 2` on the h200 profile with one field set to `value`: (status, out, err)."""
+    from simulator.hardware import load_hardware
+    (tmp_path / "p.json").write_text(json.dumps({**load_hardware("h200").to_dict(), field: value}))
+    return cli("plan", "--dp", "2", "--hardware", tmp_path / "p.json")
 
 
 def _bare(args: list) -> subprocess.CompletedProcess:

@@ -24,8 +24,7 @@ def steps_taken(optimizer: torch.optim.Optimizer) -> int:
     """The updates AdamW has made (its state's step count; 0 before its first): fewer than the
     training steps where some were skipped (a non-finite gradient, an fp16 overflow), and
     what its bias correction (Kingma & Ba 2015, section 2) goes on from after a resume."""
-    counts = {float(st["step"]) for st in optimizer.state.values() if "step" in st}
-    return int(max(counts, default=0.0))
+    return int(max((float(st["step"]) for st in optimizer.state.values() if "step" in st), default=0.0))
 
 
 def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None) -> bool:
