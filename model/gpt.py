@@ -105,6 +105,17 @@ def causal_attention(q, k, v):
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     if q.is_meta:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
+    if q.dtype == torch.float64 and not q.is_cuda and torch.compiler.is_compiling():
+        return _eager_attention(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@torch.compiler.disable
+def _eager_attention(q, k, v):
+    """The CPU's flash kernel in float64 run eagerly, outside a graph torch.compile traces:
+    Inductor (torch 2.11 and 2.12) gives its backward a float32 log-sum-exp, which the kernel
+    refuses ("expected scalar type Double but found Float"), so `check --compile` in float64
+    failed there. A graph break around one kernel the CPU runs the same either way."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 

@@ -199,6 +199,28 @@ def test_compiled_blocks_compute_the_same_loss_and_gradients(attention, dtype):
             assert (a - b).abs().max() <= 1e3 * torch.finfo(dtype).eps * b.abs().max(), (name, n)
 
 
+@pytest.mark.slow
+def test_inductors_compiled_blocks_compute_the_same_in_float64_on_the_cpu():
+    """`check --compile` on gloo runs Inductor's CPU kernels: in float64 the flash kernel's
+    backward runs outside the graph (model/gpt.py, `_eager_attention`), where torch 2.11's
+    and 2.12's Inductor handed it a float32 log-sum-exp and the step raised."""
+    from model import GPT
+    from playground.parallelize import compile_blocks
+    x = torch.randint(0, 61, (2, 17))
+    got = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        m = GPT(CFG, dtype=torch.float64)
+        if compiled:
+            compile_blocks(m)
+        loss = m(x[:, :-1], x[:, 1:])
+        loss.backward()
+        got.append((loss.detach(), [p.grad for p in m.parameters()]))
+    assert (got[1][0] - got[0][0]).abs() <= 64 * torch.finfo(torch.float64).eps * got[0][0].abs()
+    for a, b in zip(got[1][1], got[0][1]):
+        assert (a - b).abs().max() <= 1e3 * torch.finfo(torch.float64).eps * b.abs().max()
+
+
 def test_compile_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="--compile.*--backend torch"):
         RunConfig(model=CFG, compile=True)
