@@ -125,6 +125,32 @@ def reference_model(run: RunConfig, dtype=torch.float64) -> GPT:
     return GPT(run.model, dtype=dtype, device="meta").materialize("cpu", run.seed, init)
 
 
+def _low_precision_step(run: RunConfig, model: GPT, params: dict, batch, autocast):
+    """One step's loss and gradients (float64) on one device in the bf16 run's own recipe: a
+    forward and backward per micro-batch of the layout's size, the losses scaled by their
+    count, the gradients accumulated in the layout's dtype for them (the compute dtype, or
+    float32 with `grad_dtype`), as the layout's ranks accumulate and sum theirs."""
+    size = run.layout.micro_batch_size
+    count = batch.shape[0] // size
+    wide = run.grad_dtype == "float32" and not run.autocast
+    acc, loss = {}, 0.0
+    for i in range(count):
+        piece = batch[i * size:(i + 1) * size]
+        with autocast:
+            part = model(piece[:, :-1], piece[:, 1:]) / count
+        part.backward()
+        loss += part.item()
+        if wide:  # float32 main gradients beside bf16 weights (Megatron-LM's)
+            for n, p in params.items():
+                acc[n] = acc[n] + p.grad.float() if n in acc else p.grad.float()
+                p.grad = None
+    if wide:
+        for n, p in params.items():  # (for the optimizer's step after it)
+            p.grad = acc[n].to(p.dtype)
+    grads = acc if wide else {n: p.grad.detach() for n, p in params.items()}
+    return torch.tensor(loss), {n: g.to(torch.float64, copy=True) for n, g in grads.items()}
+
+
 def reference_steps(run: RunConfig, tol: dict, states: list, replays: list | None = None,
                     low_precision: bool = False) -> list:
     """Each step of the reference taken from the layout's state before it: `states[t]` is
@@ -133,7 +159,8 @@ def reference_steps(run: RunConfig, tol: dict, states: list, replays: list | Non
     gradients (float64), the state after the step, its bounds (tolerance.step_bounds; None
     when weights are not judged) and the MoE layers' statistics. `low_precision`: one device
     in the bf16 run's own recipe instead of float64 (bf16 weights rounded from the state, or
-    float32 ones under autocast), whose gradients say how far bf16's rounding alone moves them."""
+    float32 ones under autocast; the layout's micro-batches, _low_precision_step), whose
+    gradients say how far bf16's rounding alone moves them."""
     cfg, layout = run.model, run.layout
     model = reference_model(run, (torch.float32 if run.autocast else torch.bfloat16) if low_precision else torch.float64)
     autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if low_precision and run.autocast
@@ -164,10 +191,12 @@ def reference_steps(run: RunConfig, tol: dict, states: list, replays: list | Non
             layer.stats = MoEStats()
             layer.replay = Replay(replays[step].get(layer.index, {}), tol["routing"]) if replays else None
         batch = source.global_batch(step, layout.global_batch, cfg.seq_len)
-        with autocast:
+        if low_precision:
+            loss, grads = _low_precision_step(run, model, params, batch, autocast)
+        else:
             loss = model(batch[:, :-1], batch[:, 1:])
-        loss.backward()
-        grads = {n: p.grad.detach().to(torch.float64, copy=True) for n, p in params.items()}
+            loss.backward()
+            grads = {n: p.grad.detach().to(torch.float64, copy=True) for n, p in params.items()}
         skipped = states[step + 1]["skipped"] if step + 1 < len(states) else False
         if not skipped:
             opt.step()

@@ -19,8 +19,9 @@ In bfloat16 the layout is judged against float64 at a fixed share of each gradie
 deep model's backward can amplify bf16's rounding past (an 18-layer model at lr 0.01: a key
 weight's gradient 87% off float64's on one device alone). There the measure is one device in
 the run's own bf16 recipe from the layout's state (equivalence.reference_steps with
-`low_precision`): how far bf16 moves the gradient with no layout at all, against which the
-layout's is judged the same way.
+`low_precision`: its micro-batches one by one, the gradients accumulated in the dtype the
+layout accumulates them in): how far bf16 moves the gradient with no layout at all, against
+which the layout's is judged the same way.
 
 A correct layout measured so (benchmarks/check_sweep.py, a dp 4 × ep 2 MoE model at lr 0.01,
 step 6): the layout's difference 1,589 units of roundoff, the moved reference's 1,621; over 20

@@ -2,6 +2,7 @@
 bit (playground/sensitivity.py): a correct layout the fixed tolerance failed passes, and a
 planted bug still fails."""
 import pytest
+import torch
 
 import playground.equivalence as equivalence
 from model import preset
@@ -94,3 +95,29 @@ def test_a_bf16_gradient_bug_fails_at_the_raised_tolerance(monkeypatch):
     monkeypatch.setattr(ParallelModel, "local_grads", off)
     rep = check(RunConfig(**{**BF16.__dict__, "layout": Layout(dp=3, micro_batch_size=1)}))
     assert not rep.passed and rep.ratio > 3
+
+
+@pytest.mark.parametrize("grad_dtype", [None, "float32"])
+def test_bf16s_own_rounding_is_measured_in_the_layouts_micro_batches(monkeypatch, grad_dtype):
+    """The one device that measures bf16's rounding runs the layout's recipe: a forward and
+    backward per micro-batch (3 of one sequence here, not the global batch of 3 at once),
+    the gradients accumulated in the dtype the layout accumulates them in."""
+    from model import GPT
+    from playground.equivalence import layout_states, reference_steps
+    from playground.training import train
+    run = RunConfig(**{**BF16.__dict__, "steps": 2, "grad_dtype": grad_dtype})
+    states = layout_states(train(run, collect=True), run)[0]
+    seen = []
+    real = GPT.forward
+
+    def forward(self, x, targets=None):
+        seen.append((x.shape[0], self.lm_head.weight.dtype))
+        return real(self, x, targets)
+    monkeypatch.setattr(GPT, "forward", forward)
+    ref = reference_steps(run, {"grad": 1e-3, "weight": None, "routing": 0.0}, states, low_precision=True)
+    assert seen == [(1, torch.bfloat16)] * 3 * run.steps
+    whole = reference_steps(run, {"grad": 1e-3, "weight": None, "routing": 0.0}, states)
+    assert seen[3 * run.steps:] == [(3, torch.float64)] * run.steps
+    for a, b in zip(ref, whole):  # bf16's gradients, within bf16's reach of float64's
+        for name, g in b["grads"].items():
+            assert (a["grads"][name] - g).abs().max() <= 0.5 * g.abs().max() + 1e-6, name
