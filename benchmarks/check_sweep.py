@@ -7,11 +7,12 @@ mixture of experts, with their shapes redrawn (odd vocabularies and sequence len
 counts, heads and grouped-query key/value heads, SwiGLU widths, experts, top-k, capacity
 factors and dropless routing, every other block an MoE block, shared and narrower experts,
 the three routers, the balancing bias and the sequence-wise auxiliary loss), every axis (dp,
-tp with and without sequence parallelism, pp with each schedule and virtual stages, cp as
-zig-zag or contiguous ring attention or Ulysses, ep) and their compositions up to 8 ranks,
-ZeRO stages,
-activation checkpointing, micro-batch sizes and microbatches, 1 to 5 AdamW steps, float64,
-float32, bfloat16 (compute copies, or autocast without ZeRO) and float16 (dense, no pipeline),
+tp with and without sequence parallelism, pp with each schedule, virtual stages and uneven
+stages, cp as zig-zag or contiguous ring attention or Ulysses, ep) and their compositions up
+to 8 ranks, ZeRO stages and hybrid sharding, each activation checkpointing mode, micro-batch
+sizes and microbatches, 1 to 5 AdamW steps, float64, float32, bfloat16 (compute copies, or
+autocast without ZeRO) and float16 (dense, no pipeline), the 16-bit copies' gradients kept
+or reduced in float32,
 learning rates, weight decay, bucket sizes and reduction after backward, and
 seeds; a draw the layout refuses is drawn again. Each runs `playground.check`; the table
 gives the FAIL count and how close the correct layouts came to their tolerances (a row's
@@ -75,6 +76,14 @@ def _model(rng: random.Random, name: str, tp: int, pp: int, v: int, cp: int, cp_
     return base.with_(**over)
 
 
+def _stage_layers(rng: random.Random, layers: int, stages: int) -> tuple | None:
+    """Blocks per pipeline stage, at least one each, drawn unevenly (None: too few blocks)."""
+    if layers <= stages:
+        return None
+    cuts = sorted(rng.sample(range(1, layers), stages - 1))
+    return tuple(b - a for a, b in zip([0] + cuts, cuts + [layers]))
+
+
 def draw(rng: random.Random):
     """One random RunConfig that validates (redrawn until it does); (run, attempts)."""
     from playground import Layout, LayoutError, RunConfig
@@ -102,16 +111,24 @@ def draw(rng: random.Random):
         dtype = "float64" if u < 0.55 else "float32" if u < 0.75 else "float16" if fp16 else "bfloat16"
         # bf16 as compute copies of fp32 masters (the default) or under autocast (`--autocast`)
         copies = dtype != "bfloat16" or zero > 0 or rng.random() < 0.67
+        # hybrid sharding (ZeRO over dp_shard, replicated dp_replicate times) and uneven pipeline stages
+        replicate = rng.choice([r for r in _divisors(dp) if r > 1] or [1]) if zero and rng.random() < 0.3 else 1
+        stages = _stage_layers(rng, model.n_layers, pp * v) if pp > 1 and rng.random() < 0.3 else None
         layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, schedule=schedule, microbatches=microbatches,
                         virtual_stages=v, sequence_parallel=sp, micro_batch_size=rng.choice((1, 2, 3)),
-                        cp_impl=cp_impl, cp_balance=cp_balance, ac=rng.choice(("none", "none", "full", "selective")))
+                        cp_impl=cp_impl, cp_balance=cp_balance, dp_replicate=replicate, stage_layers=stages,
+                        ac=rng.choice(("none", "none", "full", "selective", "selective-op")))
+        # 16-bit compute copies beside float32 main gradients, or reduced in float32 (ZeRO)
+        sixteen = dtype in ("bfloat16", "float16") and copies
+        grad_dtype = "float32" if sixteen and rng.random() < 0.3 else None
+        reduce_dtype = "float32" if sixteen and zero and rng.random() < 0.3 else None
         try:
             layout.validate(model)
             run = RunConfig(model=model, layout=layout, steps=rng.randint(1, 5), dtype=dtype,
                             lr=rng.choice((1e-3, 3e-3, 1e-2)), weight_decay=rng.choice((0.0, 0.0, 0.1)),
                             seed=rng.randrange(10 ** 6), progress=False,
                             bucket_cap_mb=rng.choice((25.0, 0.01)), grad_overlap=zero > 1 or rng.random() < 0.8,
-                            bf16_copies=copies)
+                            bf16_copies=copies, grad_dtype=grad_dtype, reduce_dtype=reduce_dtype)
         except (LayoutError, ValueError):
             continue
         return run, attempt
@@ -125,7 +142,8 @@ def describe(run) -> str:
         + (f" {m.router}" if m.router != "softmax" else "") + (" bias" if m.bias_update_rate else "") \
         + (" seq-aux" if m.aux_loss == "sequence" else "") if m.n_experts else ""
     shape = f"V{m.vocab_size} d{m.d_model} L{m.n_layers} H{m.n_heads}/{m.kv_heads} ff{m.d_ff} s{m.seq_len}{moe}"
-    dtype = run.dtype + (" autocast" if run.dtype == "bfloat16" and not run.bf16_copies else "")
+    dtype = run.dtype + (" autocast" if run.dtype == "bfloat16" and not run.bf16_copies else "") \
+        + (f" grads {run.grad_dtype}" if run.grad_dtype else "") + (f" reduced {run.reduce_dtype}" if run.reduce_dtype else "")
     return (f"{shape} | {lay.describe()}, mbs {lay.micro_batch_size} | {dtype}, {run.steps} steps, "
             f"lr {run.lr:g}, wd {run.weight_decay:g}, seed {run.seed}")
 
