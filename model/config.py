@@ -73,6 +73,12 @@ class GPTConfig:
                      "bias_update_rate"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name}={getattr(self, name)} must be finite")
+        if self.norm_eps < 0:  # (RMSNorm would take the root of a negative mean square: a NaN loss)
+            raise ValueError(f"norm_eps={self.norm_eps} must be >= 0")
+        if self.init_std < 0:
+            raise ValueError(f"init_std={self.init_std} must be >= 0")
+        if self.rope_base <= 0:  # (the rotary frequencies are its powers)
+            raise ValueError(f"rope_base={self.rope_base} must be > 0")
         if self.aux_loss_coef < 0 or self.z_loss_coef < 0:
             raise ValueError(f"aux_loss_coef={self.aux_loss_coef} and z_loss_coef={self.z_loss_coef} must be >= 0")
         if self.d_ff == 0:

@@ -30,6 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["train", "--overwrite"], "--overwrite replaces a checkpoint: it needs --save DIR"),
     (["train", "--model-config", "n_layers=2,n_layers=3"], "--model-config: n_layers given twice"),
     (["train", "--model-config", "n_layers=0"], "n_layers=0 must be a whole number of at least 1 (--model-config)"),
+    (["train", "--model-config", "norm_eps=-1"], "norm_eps=-1.0 must be >= 0 (--model-config)"),
+    (["train", "--model-config", "rope_base=0"], "rope_base=0.0 must be > 0 (--model-config)"),
     (["train", "--seq-len", "64", "--model-config", "seq_len=32"], "give it once"),
     (["train", "--hardware", "bad.json"], "hardware file 'bad.json': not valid JSON"),
     (["train", "--json", "afile/x.json"], "--json afile/x.json:"),
