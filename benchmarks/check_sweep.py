@@ -148,12 +148,16 @@ def describe(run) -> str:
             f"lr {run.lr:g}, wd {run.weight_decay:g}, seed {run.seed}")
 
 
-def one(index: int, seed: int) -> dict:
-    """Draw configuration `index` of the sweep seeded `seed` and check it."""
+def one(index: int, seed: int, backend: str = "sim", steps: int | None = None) -> dict:
+    """Draw configuration `index` of the sweep seeded `seed` and check it on `backend`
+    (gloo: one process a rank), over `steps` instead of the drawn 1 to 5 when given."""
+    import dataclasses
+
     import torch
     torch.set_num_threads(1)
     from playground import check
     run, attempts = draw(random.Random(f"{seed}:{index}"))
+    run = dataclasses.replace(run, backend=backend, steps=steps or run.steps)
     t0 = time.perf_counter()
     rep = check(run)
     closest = max((r for r in rep.rows if r.ratio is not None), key=lambda r: r.ratio, default=None)
@@ -166,10 +170,10 @@ def one(index: int, seed: int) -> dict:
             "ties": rep.ties, "tied": rep.tied, "seconds": time.perf_counter() - t0, "attempts": attempts}
 
 
-def sweep(n: int, seed: int, workers: int) -> list:
+def sweep(n: int, seed: int, workers: int, backend: str = "sim", steps: int | None = None) -> list:
     out = []
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        for i, res in enumerate(pool.map(one, range(n), [seed] * n)):
+        for i, res in enumerate(pool.map(one, range(n), [seed] * n, [backend] * n, [steps] * n)):
             out.append(res)
             if (i + 1) % 25 == 0 or i + 1 == n:
                 fails = sum(not r["passed"] for r in out)
@@ -229,12 +233,15 @@ def main():
     ap.add_argument("--seed", type=int, default=0, help="the sweep's seed (configuration i is drawn from seed:i)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="checks run at once (processes)")
     ap.add_argument("--sabotage", action="store_true", help="also run the planted bugs (tests marked sabotage)")
+    ap.add_argument("--backend", choices=("sim", "gloo"), default="sim",
+                    help="where the layouts run: simulated ranks, or one gloo process a rank")
+    ap.add_argument("--steps", type=int, default=None, help="AdamW steps of every configuration (default: 1 to 5)")
     ap.add_argument("--json", default=default_json("check_sweep"))
     args = ap.parse_args()
-    payload = {"configs": args.configs, "seed": args.seed}
+    payload = {"configs": args.configs, "seed": args.seed, "backend": args.backend, "steps": args.steps}
     if args.configs:
         t0 = time.perf_counter()
-        rows = sweep(args.configs, args.seed, args.workers)
+        rows = sweep(args.configs, args.seed, args.workers, args.backend, args.steps)
         wall = time.perf_counter() - t0
         payload["sweep"] = rows
         fails = [r for r in rows if not r["passed"]]
@@ -254,7 +261,9 @@ def main():
             summary.append([label, len(sel), sum(not r["passed"] for r in sel), _ratio(ok[-1] if ok else None),
                             f"{1 / ok[-1]:.1f}x" if ok and ok[-1] else "-", _ratio(median),
                             *[_ratio(w) if w is not None else "-" for w in worst], sum(r["ties"] for r in sel)])
-        print_table(f"check sweep: {len(rows)} random correct configurations (seed {args.seed}), {wall / 60:.1f} min "
+        where = (" on gloo" if args.backend == "gloo" else "") + (f", {args.steps} steps each" if args.steps else "")
+        print_table(f"check sweep: {len(rows)} random correct configurations (seed {args.seed}{where}), "
+                    f"{wall / 60:.1f} min "
                     f"(ratio: a configuration's worst error over its tolerance; by quantity: the largest over the "
                     f"passing configurations)",
                     ["configurations", "n", "FAIL", "largest ratio", "smallest margin", "median ratio", "loss", "grad",
