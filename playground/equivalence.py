@@ -125,11 +125,13 @@ def reference_model(run: RunConfig, dtype=torch.float64) -> GPT:
     return GPT(run.model, dtype=dtype, device="meta").materialize("cpu", run.seed, init)
 
 
-def _low_precision_step(run: RunConfig, model: GPT, params: dict, batch, autocast):
-    """One step's loss and gradients (float64) on one device in the bf16 run's own recipe: a
-    forward and backward per micro-batch of the layout's size, the losses scaled by their
-    count, the gradients accumulated in the layout's dtype for them (the compute dtype, or
-    float32 with `grad_dtype`), as the layout's ranks accumulate and sum theirs."""
+def _low_precision_step(run: RunConfig, model: GPT, params: dict, batch, autocast, loss_scale: float = 1.0):
+    """One step's loss and gradients (float64) on one device in the 16-bit run's own recipe:
+    a forward and backward per micro-batch of the layout's size, the losses scaled by their
+    count (and in float16 multiplied by the layout's loss scale of the step, Micikevicius et
+    al. 2018, divided out of the gradients after), the gradients accumulated in the layout's
+    dtype for them (the compute dtype, or float32 with `grad_dtype`), as the layout's ranks
+    accumulate and sum theirs."""
     size = run.layout.micro_batch_size
     count = batch.shape[0] // size
     wide = run.grad_dtype == "float32" and not run.autocast
@@ -138,17 +140,17 @@ def _low_precision_step(run: RunConfig, model: GPT, params: dict, batch, autocas
         piece = batch[i * size:(i + 1) * size]
         with autocast:
             part = model(piece[:, :-1], piece[:, 1:]) / count
-        part.backward()
+        (part * loss_scale if loss_scale != 1.0 else part).backward()
         loss += part.item()
-        if wide:  # float32 main gradients beside bf16 weights (Megatron-LM's)
+        if wide:  # float32 main gradients beside 16-bit weights (Megatron-LM's)
             for n, p in params.items():
                 acc[n] = acc[n] + p.grad.float() if n in acc else p.grad.float()
                 p.grad = None
-    if wide:
-        for n, p in params.items():  # (for the optimizer's step after it)
-            p.grad = acc[n].to(p.dtype)
     grads = acc if wide else {n: p.grad.detach() for n, p in params.items()}
-    return torch.tensor(loss), {n: g.to(torch.float64, copy=True) for n, g in grads.items()}
+    grads = {n: g.to(torch.float64, copy=True) / loss_scale for n, g in grads.items()}
+    for n, p in params.items():  # (unscaled, for the optimizer's step after it)
+        p.grad = grads[n].to(p.dtype)
+    return torch.tensor(loss), grads
 
 
 def reference_steps(run: RunConfig, tol: dict, states: list, replays: list | None = None,
@@ -158,11 +160,12 @@ def reference_steps(run: RunConfig, tol: dict, states: list, replays: list | Non
     layout's routing decisions of step t per MoE block. Returns per step the loss, the
     gradients (float64), the state after the step, its bounds (tolerance.step_bounds; None
     when weights are not judged) and the MoE layers' statistics. `low_precision`: one device
-    in the bf16 run's own recipe instead of float64 (bf16 weights rounded from the state, or
-    float32 ones under autocast; the layout's micro-batches, _low_precision_step), whose
-    gradients say how far bf16's rounding alone moves them."""
+    in the 16-bit run's own recipe instead of float64 (bf16 or fp16 weights rounded from the
+    state, or float32 ones under autocast; the layout's micro-batches and loss scales,
+    _low_precision_step), whose gradients say how far 16-bit rounding alone moves them."""
     cfg, layout = run.model, run.layout
-    model = reference_model(run, (torch.float32 if run.autocast else torch.bfloat16) if low_precision else torch.float64)
+    low = torch.float32 if run.autocast else getattr(torch, run.dtype)  # (the compute dtype)
+    model = reference_model(run, low if low_precision else torch.float64)
     autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if low_precision and run.autocast
                 else contextlib.nullcontext())
     params = dict(model.named_parameters())
@@ -192,7 +195,8 @@ def reference_steps(run: RunConfig, tol: dict, states: list, replays: list | Non
             layer.replay = Replay(replays[step].get(layer.index, {}), tol["routing"]) if replays else None
         batch = source.global_batch(step, layout.global_batch, cfg.seq_len)
         if low_precision:
-            loss, grads = _low_precision_step(run, model, params, batch, autocast)
+            scale = states[step + 1].get("loss_scale") if step + 1 < len(states) else None
+            loss, grads = _low_precision_step(run, model, params, batch, autocast, scale or 1.0)
         else:
             loss = model(batch[:, :-1], batch[:, 1:])
             loss.backward()
@@ -248,8 +252,9 @@ def replays(res, run: RunConfig) -> tuple:
 
 
 def layout_states(res, run: RunConfig) -> tuple:
-    """([the layout's state before each step: {kind: {name: full}, "skipped": bool}], [its
-    gradients of each step], problems), gathered from every rank's pieces."""
+    """([the layout's state before each step: {kind: {name: full}, "skipped": bool,
+    "loss_scale": the fp16 loss scale of the step before it, or None}], [its gradients of
+    each step], problems), gathered from every rank's pieces."""
     problems, states, grads = [], [], []
 
     def state(pieces_of, label, skipped=False):
@@ -274,6 +279,7 @@ def layout_states(res, run: RunConfig) -> tuple:
             problems.extend(f"gradients of step {step}: {p}" for p in probs)
         grads.append(full)
         states.append(state(lambda kind: res.pieces(kind, step), f"after step {step}", skipped))
+        states[-1]["loss_scale"] = res.values[0]["steps"][step].get("loss_scale")
     return states, grads, problems
 
 
@@ -395,9 +401,9 @@ def check(run: RunConfig) -> CheckReport:
     near = max((acc.ratio for acc in worst.values() if acc.ratio is not None), default=0.0)
     if tol["weight"] and tol["grad"] is not None and near > TRIGGER:  # (float32 and float64)
         sensitive = raised(ref, reference_steps(run, tol, moved(states, unit, run.seed), decisions), tol["grad"])
-    elif run.dtype == "bfloat16" and tol["grad"] is not None and near > TRIGGER:
-        # against float64, a gradient's bf16 rounding is its backward's amplification of bf16's: one
-        # device in the run's own recipe measures it (playground/sensitivity.py)
+    elif run.dtype in ("bfloat16", "float16") and tol["grad"] is not None and near > TRIGGER:
+        # against float64, a gradient's 16-bit rounding is its backward's amplification of the
+        # dtype's: one device in the run's own recipe measures it (playground/sensitivity.py)
         sensitive = raised(ref, reference_steps(run, tol, states, decisions, low_precision=True), tol["grad"])
     if sensitive:
         for (step, name), t in sensitive.items():  # what AdamW can make of gradients within the raised tolerance

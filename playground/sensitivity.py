@@ -15,13 +15,15 @@ how far that moved it, when that is more than the fixed tolerance, and at most `
 the fixed one. A step whose routing the moved weights change (a token to another expert,
 another count dropped) keeps the fixed tolerance: its spread is not rounding's.
 
-In bfloat16 the layout is judged against float64 at a fixed share of each gradient, which a
-deep model's backward can amplify bf16's rounding past (an 18-layer model at lr 0.01: a key
-weight's gradient 87% off float64's on one device alone). There the measure is one device in
-the run's own bf16 recipe from the layout's state (equivalence.reference_steps with
+In bfloat16 and float16 the layout is judged against float64 at a fixed share of each
+gradient, which a deep model's backward can amplify 16-bit rounding past (an 18-layer model at
+lr 0.01: a key weight's gradient 87% off float64's on one device alone in bf16; in fp16 the
+same model FAILed at 2.6 times its share, with no layout). There the measure is one device in
+the run's own 16-bit recipe from the layout's state (equivalence.reference_steps with
 `low_precision`: its micro-batches one by one, the gradients accumulated in the dtype the
-layout accumulates them in): how far bf16 moves the gradient with no layout at all, against
-which the layout's is judged the same way.
+layout accumulates them in, fp16's backward at the loss scale the layout's scaler ran the step
+at): how far the dtype moves the gradient with no layout at all, against which the layout's is
+judged the same way.
 
 A correct layout measured so (benchmarks/check_sweep.py, a dp 4 × ep 2 MoE model at lr 0.01,
 step 6): the layout's difference 1,589 units of roundoff, the moved reference's 1,621; over 20
@@ -31,6 +33,8 @@ sharding or reduction bug moves a gradient by a whole share of it, 10^9 and more
 roundoff in float64; `CAP` keeps every planted bug of the suite far over its tolerance.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -70,6 +74,8 @@ def raised(ref: list, again: list, fixed: float) -> dict:
             if scale == 0:
                 continue
             spread = (s["grads"][name] - want).abs().max().item() / scale
+            if not math.isfinite(spread):  # (a 16-bit reference that overflowed measures nothing)
+                continue
             tol = min(SENSITIVITY * spread, CAP * fixed)
             if tol > fixed:
                 out[(step, name)] = tol

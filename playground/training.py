@@ -105,6 +105,12 @@ def _state(model) -> list:
     return [(kind, pl, t.detach().to("cpu", torch.float64).clone()) for kind, pl, t in model.state_pieces()]
 
 
+def _loss_scale(model) -> float | None:
+    """The fp16 loss scale this step's backward ran at (every scaler holds the same), or None."""
+    scalers = getattr(model.optimizer, "scalers", [])
+    return scalers[0].scale if scalers else None
+
+
 def _skipped(model) -> int:
     """Steps the fp16 loss scalers skipped so far (an overflow)."""
     return sum(s.skipped for s in getattr(model.optimizer, "scalers", []))
@@ -207,7 +213,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
                 raise NonFiniteError(f"step {found_step}: {found}; stopped before the optimizer step{late} (--on-nan "
                                      f"skip skips such a step)")
             if collect:
-                grads, skipped = model.pieces("grad"), _skipped(model)
+                grads, skipped, scale = model.pieces("grad"), _skipped(model), _loss_scale(model)
             if found:  # --on-nan skip: every rank alike
                 _skipped_step(out, found_step, found, world, bar)
             if found and lagged is None:
@@ -215,7 +221,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
             else:
                 rank.update(found_inf)
             if collect:
-                out_states["steps"].append({"grads": grads, "state": _state(model),
+                out_states["steps"].append({"grads": grads, "state": _state(model), "loss_scale": scale,
                                             "skipped": bool(found) or _skipped(model) > skipped})
             if cfg.n_experts:  # this rank's routing statistics of the step, per MoE layer it holds
                 # (read after the run where the losses are: reading them now would stop the host)

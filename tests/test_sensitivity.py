@@ -67,33 +67,39 @@ BF16 = RunConfig(model=DEEP, layout=Layout(microbatches=3, micro_batch_size=1), 
                  weight_decay=0.0, seed=202211, progress=False)
 
 
-def test_bf16s_own_rounding_is_measured_on_one_device(monkeypatch):
-    """One device in bf16, no layout at all: judged against float64 at the fixed share it
-    FAILs (by 2.6 times the tolerance on two hosts' CPUs, more on others: bf16's rounding is
-    the CPU's); judged at what one device in the run's own bf16 recipe moves each gradient
-    by, it passes, and the report says how the tolerance was raised."""
-    rep = check(BF16)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_rounding_is_measured_on_one_device(monkeypatch, dtype):
+    """One device in bf16 or fp16, no layout at all: judged against float64 at the fixed share
+    it FAILs (bf16 by 2.6 times the tolerance on two hosts' CPUs, more on others: its rounding
+    is the CPU's; fp16 by 2.6 times here); judged at what one device in the run's own recipe
+    (fp16: at the layout's loss scale) moves each gradient by, it passes, and the report says
+    how the tolerance was raised."""
+    run = RunConfig(**{**BF16.__dict__, "dtype": dtype})
+    rep = check(run)
     assert rep.passed, [r for r in rep.rows if not r.ok]
-    assert rep.sensitive and "one device ran in bfloat16" in check_summary(rep)
+    assert rep.sensitive and f"one device ran in {dtype}" in check_summary(rep)
     monkeypatch.setattr(equivalence, "TRIGGER", float("inf"))
-    fixed = check(BF16)
+    fixed = check(run)
     assert not fixed.passed and fixed.ratio > 1.5
 
 
 @pytest.mark.sabotage
-def test_a_bf16_gradient_bug_fails_at_the_raised_tolerance(monkeypatch):
-    """dp 3 of the same run with every gradient off by 1/3 (the sum over ranks divided by 2):
-    judged at bf16's own rounding, still over."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_16_bit_gradient_bug_fails_at_the_raised_tolerance(monkeypatch, dtype):
+    """dp 3 of the same run with every gradient off by 1/3 (the sum over ranks divided by 2),
+    made in place after the backward (fp16's, scaled, too): judged at the dtype's own
+    rounding, still over."""
     from playground.parallelize import ParallelModel
-    real = ParallelModel.local_grads
+    real = ParallelModel.run_step
 
-    def off(self):
-        out = real(self)
-        for _, g in out:
-            g.mul_(1.5)
+    def off(self, *args):
+        out = real(self, *args)
+        with torch.no_grad():
+            for _, g in self.local_grads():
+                g.mul_(1.5)
         return out
-    monkeypatch.setattr(ParallelModel, "local_grads", off)
-    rep = check(RunConfig(**{**BF16.__dict__, "layout": Layout(dp=3, micro_batch_size=1)}))
+    monkeypatch.setattr(ParallelModel, "run_step", off)
+    rep = check(RunConfig(**{**BF16.__dict__, "layout": Layout(dp=3, micro_batch_size=1), "dtype": dtype}))
     assert not rep.passed and rep.ratio > 3
 
 
@@ -121,3 +127,22 @@ def test_bf16s_own_rounding_is_measured_in_the_layouts_micro_batches(monkeypatch
     for a, b in zip(ref, whole):  # bf16's gradients, within bf16's reach of float64's
         for name, g in b["grads"].items():
             assert (a["grads"][name] - g).abs().max() <= 0.5 * g.abs().max() + 1e-6, name
+
+
+def test_fp16s_own_rounding_is_measured_at_the_layouts_loss_scales(monkeypatch):
+    """The fp16 reference backpropagates each step at the loss scale the layout's scaler ran
+    that step at (recorded with its state): here one that doubles after every good step."""
+    import zero.loss_scaler as ls
+    from playground.equivalence import layout_states
+    from playground.training import train
+    real = ls.DynamicLossScaler.__init__
+    monkeypatch.setattr(ls.DynamicLossScaler, "__init__",
+                        lambda self, init_scale=2.0 ** 16, **kw: real(self, init_scale, growth_interval=1))
+    run = RunConfig(**{**BF16.__dict__, "dtype": "float16"})
+    states = layout_states(train(run, collect=True), run)[0]
+    assert [s.get("loss_scale") for s in states] == [None, 2.0 ** 16, 2.0 ** 17, 2.0 ** 18]
+    scales = []
+    step = equivalence._low_precision_step
+    monkeypatch.setattr(equivalence, "_low_precision_step", lambda *a: scales.append(a[-1]) or step(*a))
+    rep = check(run)
+    assert rep.passed and rep.sensitive and scales == [2.0 ** 16, 2.0 ** 17, 2.0 ** 18]
