@@ -108,6 +108,14 @@ class ProcessGroup(abc.ABC):
                 f"got {b.numel} {b.dtype} elements ({name} shape {list(b.shape)}, {part_name} shape {list(part.shape)})")
         return b
 
+    def _dense(self, t, name: str = "tensor"):
+        """`t`'s buffer, refused unless contiguous: NCCL refuses a strided tensor, and gloo's
+        all_reduce and broadcast take its first numel elements of storage (a silent wrong
+        answer), so the simulated backend refuses it too."""
+        b = self._buffer(t, name)
+        _check_contiguous(name, t)
+        return b
+
     def _issue_batch(self, calls) -> list:
         """Start point-to-point calls together (torch overrides: NCCL needs one batch)."""
         return [self._issue(c) for c in calls]
@@ -141,17 +149,17 @@ class ProcessGroup(abc.ABC):
 
     # -- collectives ------------------------------------------------------------------
     def all_reduce(self, tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False, label: str | None = None):
-        call = self._call("all_reduce", label, caller_site(), bufs={"tensor": self._buffer(tensor)}, reduce_op=op)
+        call = self._call("all_reduce", label, caller_site(), bufs={"tensor": self._dense(tensor)}, reduce_op=op)
         return self._run(call, async_op)
 
     def reduce(self, tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM, async_op: bool = False, label: str | None = None):
         _check_rank("dst", dst, self.size)
-        call = self._call("reduce", label, caller_site(), bufs={"tensor": self._buffer(tensor)}, root=dst, reduce_op=op)
+        call = self._call("reduce", label, caller_site(), bufs={"tensor": self._dense(tensor)}, root=dst, reduce_op=op)
         return self._run(call, async_op)
 
     def broadcast(self, tensor, src: int = 0, async_op: bool = False, label: str | None = None):
         _check_rank("src", src, self.size)
-        call = self._call("broadcast", label, caller_site(), bufs={"tensor": self._buffer(tensor)}, root=src)
+        call = self._call("broadcast", label, caller_site(), bufs={"tensor": self._dense(tensor)}, root=src)
         return self._run(call, async_op)
 
     def all_gather(self, out, inp, async_op: bool = False, label: str | None = None):
@@ -235,7 +243,7 @@ class ProcessGroup(abc.ABC):
         me, other = self.ranks[self.rank], self.ranks[peer]
         pair = (me, other) if kind == "send" else (other, me)
         return Call(op=kind, pos=self.rank, rank=me, group=pair, label=label or kind, site=site,
-                    bufs={"tensor": self._buffer(tensor)}, root=peer)
+                    bufs={"tensor": self._dense(tensor)}, root=peer)
 
     def send(self, tensor, dst: int, label: str | None = None):
         return self._run(self._p2p("send", tensor, dst, label, caller_site()), False)

@@ -121,9 +121,10 @@ class PipelineExecutor:
                     total += y.detach().double()
                 out[key] = y
             elif a.kind == "SEND_F":
-                sends.append(self.group.isend(out[key].detach(), dst=nxt, label="pp.activations"))
+                # (a send takes a dense tensor: a sequence-parallel stage's output is a strided view)
+                sends.append(self.group.isend(out[key].detach().contiguous(), dst=nxt, label="pp.activations"))
             elif a.kind == "RECV_B":
-                g = torch.empty_like(out[key])
+                g = torch.empty_like(out[key], memory_format=torch.contiguous_format)
                 self.group.recv(g, src=nxt, label="pp.gradients")
                 g_out[key] = g
             elif a.kind in ("B", "W"):
@@ -146,7 +147,7 @@ class PipelineExecutor:
                 if s > 0:
                     g_in[key] = x_in[key].grad
             elif a.kind == "SEND_B":
-                sends.append(self.group.isend(g_in.pop(key), dst=prev, label="pp.gradients"))
+                sends.append(self.group.isend(g_in.pop(key).contiguous(), dst=prev, label="pp.gradients"))
                 if key not in out:
                     x_in.pop(key, None)
             else:

@@ -101,19 +101,29 @@ def test_in_place_all_gather_and_reduce_scatter():
         assert part.tolist() == [3 * (2 * r) + 3, 3 * (2 * r + 1) + 3]
 
 
-def test_tensors_that_require_grad_and_noncontiguous_views():
+def test_tensors_that_require_grad():
     def fn(world):
         w = torch.ones(4, 3, requires_grad=True)
         with torch.no_grad():
             world.all_reduce(w)
-        base = torch.zeros(3, 4)
-        col = base.t()[1]  # non-contiguous view; all_reduce writes through it
-        col.fill_(world.rank + 1.0)
-        world.all_reduce(col)
-        return w.detach(), base
-    w, base = launch(fn, 3).values[1]
-    assert (w == 3).all()
-    assert base[:, 1].tolist() == [6, 6, 6] and base[:, 0].tolist() == [0, 0, 0]
+        return w.detach()
+    assert (launch(fn, 3).values[1] == 3).all()
+
+
+@pytest.mark.parametrize("call", ["all_reduce", "reduce", "broadcast", "send"])
+def test_a_strided_view_is_refused_as_nccl_refuses_it(call):
+    """NCCL refuses a non-contiguous tensor; gloo's all_reduce and broadcast reduce its first
+    numel elements of storage instead (a silent wrong answer) and its send refuses it. The
+    simulated backend refuses it in one line, so that a layout that would fail or go wrong on
+    real ranks fails here first (a pipeline's sequence-parallel activations once did)."""
+    def fn(world):
+        col = torch.zeros(3, 4).t()[1]  # a column: stride 4
+        if call == "send":
+            (world.send(col, 1) if world.rank == 0 else world.recv(col, 0))
+        else:
+            getattr(world, call)(col)
+    with pytest.raises(Exception, match=r"tensor must be contiguous \(shape \(3,\)\)"):
+        launch(fn, 2)
 
 
 def test_argument_errors_name_the_values():
