@@ -37,3 +37,6 @@ class RankFailedError(CollectiveError):
     def __init__(self, rank: int, message: str):
         super().__init__(message)
         self.rank = rank
+
+    def __reduce__(self):  # (pickled across processes: a worker's failure reaches its parent whole)
+        return type(self), (self.rank, str(self))

@@ -224,3 +224,12 @@ def test_large_worlds():
         pp = r // 64
         # tp then dp×cp: the sum of the 64 ranks sharing this rank's pp coordinate
         assert y == sum(range(pp * 64, pp * 64 + 64)), r
+
+
+def test_a_rank_failure_survives_pickling():
+    """A failure raised in one process and read in another (gloo's launcher, a process pool
+    of checks) keeps its rank and message; unpickling it used to raise a TypeError instead."""
+    import pickle
+    from collectives import RankFailedError
+    e = pickle.loads(pickle.dumps(RankFailedError(3, "rank 3 raised ValueError: x")))
+    assert isinstance(e, RankFailedError) and e.rank == 3 and str(e) == "rank 3 raised ValueError: x"
