@@ -159,7 +159,14 @@ def one(index: int, seed: int, backend: str = "sim", steps: int | None = None) -
     run, attempts = draw(random.Random(f"{seed}:{index}"))
     run = dataclasses.replace(run, backend=backend, steps=steps or run.steps)
     t0 = time.perf_counter()
-    rep = check(run)
+    try:
+        rep = check(run)
+    except Exception as e:  # noqa: BLE001 (a correct layout that crashes fails the sweep as a FAIL would)
+        return {"index": index, "config": describe(run), "dtype": run.dtype, "steps": run.steps,
+                "world": run.layout.world, "by_quantity": dict.fromkeys(("loss", "grad", "weight", "moments")),
+                "moe": bool(run.model.n_experts), "passed": False, "ratio": None, "closest": None,
+                "problems": [f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"],
+                "ties": 0, "tied": 0, "seconds": time.perf_counter() - t0, "attempts": attempts}
     closest = max((r for r in rep.rows if r.ratio is not None), key=lambda r: r.ratio, default=None)
     by = {w: max((r.ratio for r in rep.rows if r.what == w and r.ratio is not None), default=None)
           for w in ("loss", "grad", "weight", "moments")}
