@@ -158,23 +158,22 @@ def one(index: int, seed: int, backend: str = "sim", steps: int | None = None) -
     from playground import check
     run, attempts = draw(random.Random(f"{seed}:{index}"))
     run = dataclasses.replace(run, backend=backend, steps=steps or run.steps)
+    row = {"index": index, "config": describe(run), "dtype": run.dtype, "steps": run.steps, "world": run.layout.world,
+           "moe": bool(run.model.n_experts), "attempts": attempts}
     t0 = time.perf_counter()
     try:
         rep = check(run)
     except Exception as e:  # noqa: BLE001 (a correct layout that crashes fails the sweep as a FAIL would)
-        return {"index": index, "config": describe(run), "dtype": run.dtype, "steps": run.steps,
-                "world": run.layout.world, "by_quantity": dict.fromkeys(("loss", "grad", "weight", "moments")),
-                "moe": bool(run.model.n_experts), "passed": False, "ratio": None, "closest": None,
-                "problems": [f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"],
-                "ties": 0, "tied": 0, "seconds": time.perf_counter() - t0, "attempts": attempts}
+        return {**row, "by_quantity": dict.fromkeys(("loss", "grad", "weight", "moments")), "passed": False,
+                "ratio": None, "closest": None, "ties": 0, "tied": 0, "seconds": time.perf_counter() - t0,
+                "problems": [f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"]}
     closest = max((r for r in rep.rows if r.ratio is not None), key=lambda r: r.ratio, default=None)
     by = {w: max((r.ratio for r in rep.rows if r.what == w and r.ratio is not None), default=None)
           for w in ("loss", "grad", "weight", "moments")}
-    return {"index": index, "config": describe(run), "dtype": run.dtype, "steps": run.steps, "world": run.layout.world,
-            "by_quantity": {w: (v if v != math.inf else None) for w, v in by.items()},
-            "moe": bool(run.model.n_experts), "passed": rep.passed, "ratio": rep.ratio if rep.ratio != math.inf else None,
+    return {**row, "by_quantity": {w: (v if v != math.inf else None) for w, v in by.items()},
+            "passed": rep.passed, "ratio": rep.ratio if rep.ratio != math.inf else None,
             "closest": f"{closest.what} {closest.label}" if closest else None, "problems": rep.problems[:3],
-            "ties": rep.ties, "tied": rep.tied, "seconds": time.perf_counter() - t0, "attempts": attempts}
+            "ties": rep.ties, "tied": rep.tied, "seconds": time.perf_counter() - t0}
 
 
 def sweep(n: int, seed: int, workers: int, backend: str = "sim", steps: int | None = None) -> list:

@@ -1,6 +1,8 @@
 """The check judges an ill-conditioned gradient at the reference's own sensitivity to the last
 bit (playground/sensitivity.py): a correct layout the fixed tolerance failed passes, and a
 planted bug still fails."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -74,7 +76,7 @@ def test_16_bit_rounding_is_measured_on_one_device(monkeypatch, dtype):
     is the CPU's; fp16 by 2.6 times here); judged at what one device in the run's own recipe
     (fp16: at the layout's loss scale) moves each gradient by, it passes, and the report says
     how the tolerance was raised."""
-    run = RunConfig(**{**BF16.__dict__, "dtype": dtype})
+    run = replace(BF16, dtype=dtype)
     rep = check(run)
     assert rep.passed, [r for r in rep.rows if not r.ok]
     assert rep.sensitive and f"one device ran in {dtype}" in check_summary(rep)
@@ -99,7 +101,7 @@ def test_a_16_bit_gradient_bug_fails_at_the_raised_tolerance(monkeypatch, dtype)
                 g.mul_(1.5)
         return out
     monkeypatch.setattr(ParallelModel, "run_step", off)
-    rep = check(RunConfig(**{**BF16.__dict__, "layout": Layout(dp=3, micro_batch_size=1), "dtype": dtype}))
+    rep = check(replace(BF16, layout=Layout(dp=3, micro_batch_size=1), dtype=dtype))
     assert not rep.passed and rep.ratio > 3
 
 
@@ -111,7 +113,7 @@ def test_bf16s_own_rounding_is_measured_in_the_layouts_micro_batches(monkeypatch
     from model import GPT
     from playground.equivalence import layout_states, reference_steps
     from playground.training import train
-    run = RunConfig(**{**BF16.__dict__, "steps": 2, "grad_dtype": grad_dtype})
+    run = replace(BF16, steps=2, grad_dtype=grad_dtype)
     states = layout_states(train(run, collect=True), run)[0]
     seen = []
     real = GPT.forward
@@ -138,7 +140,7 @@ def test_fp16s_own_rounding_is_measured_at_the_layouts_loss_scales(monkeypatch):
     real = ls.DynamicLossScaler.__init__
     monkeypatch.setattr(ls.DynamicLossScaler, "__init__",
                         lambda self, init_scale=2.0 ** 16, **kw: real(self, init_scale, growth_interval=1))
-    run = RunConfig(**{**BF16.__dict__, "dtype": "float16"})
+    run = replace(BF16, dtype="float16")
     states = layout_states(train(run, collect=True), run)[0]
     assert [s.get("loss_scale") for s in states] == [None, 2.0 ** 16, 2.0 ** 17, 2.0 ** 18]
     scales = []
