@@ -681,22 +681,17 @@ class MoE(nn.Module):
                 and self.sequence_group is None and type(self.router) is nn.Linear
                 and grouped_mm_applies(flat, self.experts.w_gate))
 
-    def _route(self, logits):
-        """route(), keeping the decision when recording (a layout's rank under the check)."""
-        if not self.record or logits.is_meta:
-            return route(logits, self.config, self.expert_bias)
-        scores, decision = self._keep_decision(logits)
-        return scores, routing(scores, decision, self.config)
-
-    def _keep_decision(self, logits):
-        """(scores, decision) of the group's logits, the decision kept for the check (`record`)."""
-        scores = router_scores(logits, self.config)
-        chosen_by = selection_scores(scores, self.expert_bias)
-        decision = choose(chosen_by, self.config)
-        if not self.recomputing:
-            self.stats.decisions.append((chosen_by.to("cpu", copy=True),
-                                         Decision(decision.experts.cpu(), decision.kept.cpu())))
-        return scores, decision
+    def _keep_decision(self, scores, r: Routing) -> None:
+        """Keep the decision the group's routing `r` made (its experts, and the assignments
+        within the capacity: the kept ones come first in static shapes) with the selection
+        scores it was made on, for the check (`record`: a layout's rank under the check).
+        Read from the routing the layer computes with, so the check judges the arithmetic
+        training runs."""
+        if self.recomputing:
+            return
+        kept = r.assignments[:r.assignments.numel() - int(r.dropped)]
+        self.stats.decisions.append((selection_scores(scores, self.expert_bias).to("cpu", copy=True),
+                                     Decision(r.chosen.cpu(), kept.cpu())))
 
     def _replayed(self, logits, cell):
         """The reference's routing of one token group under `self.replay` (see `Replay`)."""
@@ -751,21 +746,20 @@ class MoE(nn.Module):
                 self._record(aux, z, routed, dropped)
                 return _AddAuxLoss.apply(out.reshape(b, s, d), loss)
             logits = self.router(flat)
-            # in static shapes (compiled on a GPU), except when recording for the check or, in a
-            # plan, sending tokens dropless to other ranks (the uneven dispatch's sizes: balanced
-            # counts on the host); at a capacity the dispatch is the padded one (`_padded`), in
-            # static shapes always, the decision kept apart when recording
-            T, E, k = logits.shape[0], c.n_experts, c.top_k
-            padded = self._pads()
-            if padded and self.record and not logits.is_meta:
-                self._keep_decision(logits)  # (the same decision as static_routing's)
-            if padded or (not self.record and (self.dispatch is None or not logits.is_meta)):
+            # in static shapes (compiled on a GPU; at a capacity the dispatch is the padded one,
+            # `_padded`), except in a plan sending tokens dropless to other ranks (the uneven
+            # dispatch's sizes: balanced counts on the host); under the check too, its decision
+            # kept from the same routing
+            if self.dispatch is None or not logits.is_meta or self._pads():
+                T, E, k = logits.shape[0], c.n_experts, c.top_k
                 io = T * E * (logits.element_size() + 4) + T * k * 20 + 4 * E * 8  # logits in; scores, rows out
                 scores, *fields = region("moe_routing", io, static_route, logits, self.expert_bias, c,
                                          checkpointed=self.checkpointed)
                 r = Routing(*fields)
+                if self.record and not logits.is_meta:
+                    self._keep_decision(scores, r)
             else:
-                scores, r = self._route(logits)
+                scores, r = route(logits, c, self.expert_bias)
             total = r.routed.clone()  # (on meta: the balanced counts, on the CPU)
             if self.stats_group is not None:
                 self.stats_group.all_reduce(total, label="moe.aux_counts")

@@ -290,27 +290,51 @@ def test_ties_not_replayed_fail(monkeypatch):
     assert not rep.passed and any("routing" in p for p in rep.problems)
 
 
-def _half_capacity(probs, c):
-    return choose(probs, c.with_(capacity_factor=c.capacity_factor / 2))
+def _half_capacity(ranked, probs, c):
+    return ranked(probs, c.with_(capacity_factor=c.capacity_factor / 2))
 
 
-def _lowest_probability_kept(probs, c):
-    """Each expert keeps the last of its assignments in priority order instead of the first."""
-    every = choose(probs, c.with_(capacity_factor=0.0))  # expert-major, in priority order
-    cap = capacity(c, probs.shape[0])
-    experts = every.experts.reshape(-1)[every.kept]
-    kept = [every.kept[experts == e][-cap:] for e in range(c.n_experts)]
-    return Decision(every.experts, torch.cat(kept))
+def _lowest_probability_kept(ranked, probs, c):
+    """Each expert keeps the last of its assignments in priority order instead of the first:
+    each expert's run of the expert-major order reversed (the runs keep their lengths, so
+    `within` still marks each run's first C places)."""
+    top, expert, order, routed, within = ranked(probs, c)
+    e = expert.reshape(-1)[order]
+    start = torch.cumsum(routed, 0) - routed
+    place = start[e] + (start[e] + routed[e] - 1 - torch.arange(order.numel()))  # mirrored within its run
+    return top, expert, order[place], routed, within
 
 
 @pytest.mark.sabotage
 @pytest.mark.parametrize("bug", [_half_capacity, _lowest_probability_kept], ids=["capacity", "drop-order"])
-def test_the_check_catches_a_layout_that_routes_by_another_rule(bug, monkeypatch):
-    """The layout's ranks apply a wrong capacity or drop the wrong assignments: their
-    decisions are not what the rule gives on their own probabilities, a routing problem."""
-    monkeypatch.setattr(mm, "choose", _layout_side(bug, choose))
-    rep = check(_run(steps=1, dp=2, ep=2))
+@pytest.mark.parametrize("ep", [1, 2])
+def test_the_check_catches_a_layout_that_routes_by_another_rule(bug, ep, monkeypatch):
+    """The layout's ranks apply a wrong capacity or drop the wrong assignments, in the
+    routing they compute with (in static shapes, on local experts or through the padded
+    dispatch): their decisions are not what the rule gives on their own probabilities, a
+    routing problem."""
+    real = mm._ranked
+    monkeypatch.setattr(mm, "_ranked", _layout_side(lambda probs, c: bug(real, probs, c), real))
+    rep = check(_run(steps=1, dp=2, ep=ep))
     assert not rep.passed and any("not what its own scores give" in p for p in rep.problems)
+
+
+@pytest.mark.sabotage
+def test_the_check_judges_the_static_routing_that_training_runs(monkeypatch):
+    """The routing in static shapes (what training computes with at a capacity on the local
+    experts) forgets to zero its dropped rows' gates: a dropped assignment adds its expert's
+    output to its token. The decisions are right, the outputs are not: the check, whose
+    layout runs the same routing, fails on the gradients. (The padded dispatch reads a
+    dropped row from a zero slot, whatever its gate.)"""
+    real = mm.static_routing
+
+    def dropped_rows_kept(scores, selection, c):
+        r = real(scores, selection, c)
+        gates = mm._gates(scores, r.chosen, c).reshape(-1).index_select(0, r.assignments)
+        return mm.Routing(r.tokens, gates, r.counts, r.routed, r.dropped, r.chosen, r.assignments)
+    monkeypatch.setattr(mm, "static_routing", dropped_rows_kept)
+    rep = check(_run(steps=1, dp=2))
+    assert _dropped(rep) > 0 and not rep.passed and rep.worst("grad").ratio > 10
 
 
 # -- sabotage (expert parallelism) ------------------------------------------------------------------
@@ -557,31 +581,43 @@ def test_a_plan_of_a_checkpointed_moe_block_recomputes_its_forward_once():
 
 
 @pytest.mark.parametrize("cf", [0.5, 1.0, 1.25])
-def test_routing_in_static_shapes_equals_routing_the_kept_rows(cf):
+@pytest.mark.parametrize("router", ["softmax", "topk_softmax", "sigmoid"])
+def test_routing_in_static_shapes_equals_routing_the_kept_rows(cf, router, monkeypatch):
     """With a capacity, the local experts route all T·k assignments (the dropped ones last,
     with gate 0) instead of the kept rows alone, so nothing waits for the host: the layer's
-    output, every gradient and the dropped count are those of the compact routing."""
+    output, every gradient and the dropped count are those of the compact routing (`route`,
+    the check's reference's), with each router and a balancing bias; and the decision the
+    layer keeps for the check (`record`) is the one `choose` makes on its selection scores."""
     import dataclasses
-    cfg = dataclasses.replace(preset("tiny-moe"), capacity_factor=cf)
+    cfg = dataclasses.replace(preset("tiny-moe"), capacity_factor=cf, router=router, bias_update_rate=1e-3)
     torch.manual_seed(0)
     layer = MoE(cfg).double()
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.3)
+    layer.expert_bias = torch.linspace(-0.05, 0.05, cfg.n_experts, dtype=torch.float64)
     x = torch.randn(3, 16, cfg.d_model, dtype=torch.float64)
+    real = mm.static_route
+
+    def compact(logits, bias, c):
+        scores, r = mm.route(logits, c, bias)
+        return scores, r.tokens, r.gates, r.counts, r.routed, r.dropped, r.chosen, r.assignments
     got = {}
-    for record in (True, False):  # recording takes the compact rows (the check's path)
-        layer.record, layer.stats = record, mm.MoEStats()
+    for static in (False, True):
+        monkeypatch.setattr(mm, "static_route", real if static else compact)
+        layer.record, layer.stats = static, mm.MoEStats()
         for p in layer.parameters():
             p.grad = None
         xi = x.clone().requires_grad_()
         y = layer(xi)
         (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).reshape(y.shape)).sum().backward()
-        got[record] = (y.detach(), xi.grad, [p.grad for p in layer.parameters()], layer.stats.resolved())
-    (y1, gx1, gp1, st1), (y2, gx2, gp2, st2) = got[True], got[False]
+        got[static] = (y.detach(), xi.grad, [p.grad for p in layer.parameters()], layer.stats.resolved())
+    (y1, gx1, gp1, st1), (y2, gx2, gp2, st2) = got[False], got[True]
     assert st1.dropped == st2.dropped and st1.routed == st2.routed and (cf > 1 or st1.dropped > 0)
     assert torch.allclose(y1, y2, rtol=1e-13, atol=1e-15) and torch.allclose(gx1, gx2, rtol=1e-12, atol=1e-14)
     for a, b in zip(gp1, gp2):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
+    (chosen_by, decision), = layer.stats.decisions
+    assert decision.same(choose(chosen_by, cfg)) and decision.kept.numel() == 3 * 16 * cfg.top_k - st2.dropped
 
 
 @pytest.mark.slow
