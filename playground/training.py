@@ -155,7 +155,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
             layer.record = True
     start = checkpoint.load(model, run.resume, checkpoint.read_index(run.resume, cfg)) if run.resume else 0
     if collect:  # the state every step starts from, for the check's reference to take each step from it
-        out_states = {"initial": _state(model), "steps": []}
+        out_states = {"initial": _state(model), "initial_updates": model.steps_taken(), "steps": []}
     source = source or make_source(run.data, cfg.vocab_size, run.seed)
     out = {"losses": [], "step_times": [], "host_blocked": [], "sim_steps": [], "memory": None, "moe": [], "start": start,
            "skipped_steps": []}
@@ -222,7 +222,8 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
                 rank.update(found_inf)
             if collect:
                 out_states["steps"].append({"grads": grads, "state": _state(model), "loss_scale": scale,
-                                            "skipped": bool(found) or _skipped(model) > skipped})
+                                            "skipped": bool(found) or _skipped(model) > skipped,
+                                            "updates": model.steps_taken()})  # (AdamW's count)
             if cfg.n_experts:  # this rank's routing statistics of the step, per MoE layer it holds
                 # (read after the run where the losses are: reading them now would stop the host)
                 out["moe"].append({layer.index: layer.stats if deferred else layer.stats.as_dict()

@@ -392,3 +392,56 @@ def test_resharding_between_every_pair_of_shardings(tmp_path):
     for a in SHARDINGS:
         for b in SHARDINGS:
             _reshard(a, b, tmp_path)
+
+
+def _resume_sweep(n: int, seed: str, reshard: bool = False):
+    from benchmarks.resume_sweep import one
+    rows = [one(i, seed, reshard=reshard) for i in range(n)]
+    differ = [(r["config"], r["stopped_at"], r["resumed_in"], r["differences"]) for r in rows if r["same"] is False]
+    assert not differ, differ
+    assert sum(r["same"] is True for r in rows) >= n - 1  # (a configuration with no other layout is left out)
+
+
+def test_a_sample_of_the_random_resume_sweep_is_bit_identical():
+    """benchmarks/resume_sweep.py's random configurations (check_sweep's draws), each stopped
+    at a random step with a checkpoint and resumed: the same run, bit for bit (its losses,
+    gradients, weights, moments, MoE counts and bias, loss scale, AdamW's count); resumed in
+    another layout drawn at random, every byte of the state arrives. The whole sweeps in the
+    slow tier."""
+    _resume_sweep(2, "suite")
+    _resume_sweep(2, "suite", reshard=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reshard", [False, True])
+def test_the_random_resume_sweep_is_bit_identical(reshard):
+    _resume_sweep(30, "slow", reshard)
+
+
+@pytest.mark.sabotage
+@pytest.mark.parametrize("reshard", [False, True])
+def test_the_resume_sweep_finds_a_resume_that_miscounts_adamws_steps(reshard, monkeypatch):
+    """A resume that gives AdamW one update too many (its bias correction then off) is not
+    the same run: the sweep's comparison can fail, in the same layout and in another."""
+    import playground.checkpoint as ck
+    real = ck.load
+    monkeypatch.setattr(ck, "load", lambda model, directory, index: real(
+        model, directory, {**index, "optimizer_steps": index.get("optimizer_steps", index["step"]) + 1}))
+    from benchmarks.resume_sweep import one
+    assert one(0, "suite", reshard=reshard)["same"] is False
+
+
+@pytest.mark.sabotage
+def test_the_resume_sweep_finds_a_reshard_that_loads_a_moment_from_the_wrong_place(monkeypatch):
+    """Resharding that reads each piece of the first moment in reverse order: the state the
+    other layout loads is not the state saved."""
+    import playground.checkpoint as ck
+    real = ck.Reader.fill
+
+    def fill(self, kind, pl):
+        t = real(self, kind, pl)
+        return t.flatten().flip(0).reshape(t.shape) if kind == "exp_avg" else t
+    monkeypatch.setattr(ck.Reader, "fill", fill)
+    from benchmarks.resume_sweep import one
+    row = one(0, "suite", reshard=True)
+    assert row["same"] is False and any("exp_avg" in d for d in row["differences"])

@@ -11,7 +11,7 @@ import torch
 import model.moe as mm
 from collectives import launch
 from model import GPT, preset
-from model.moe import Decision, MoE, capacity, choose, route
+from model.moe import MoE, choose, route
 from moe import ExpertParallelDispatch
 from playground import Layout, LayoutError, RunConfig, check, train
 
