@@ -329,19 +329,23 @@ def from_slots(y, slot, gates, tokens, assignments, k: int):
     return combine_rows(weighted, tokens, k, token_slots(tokens, k, assignments)).to(y.dtype)
 
 
-def whole_layer(x, router, bias, w_gate, w_up, w_down, c, rows: int, scale: float) -> tuple:
+def whole_layer(x, router, bias, w_gate, w_up, w_down, c, rows: int, scale: float, decided: bool = False) -> tuple:
     """(out, aux, z, loss, routed, dropped): a token group's router logits (x @ routerᵀ),
     routing (`static_route`), balancing losses (`balance_losses`, f_i from this group's counts
     alone; aux and z weighed by `scale`, loss their sum) and experts (`local_experts`), one
     after another: what a GPU compiles as one region when the layer has nothing to exchange
     with other ranks (`MoE._whole_on_gpu`), the compiled regions' host cost paid once a layer
-    instead of three times, and the router's and the losses' eager ops none."""
+    instead of three times, and the router's and the losses' eager ops none. With `decided`
+    (a layout's rank under the check), also the routing's scores, chosen experts and
+    assignments: the decision it made (`MoE._keep_decision`)."""
     logits = F.linear(x, router)
     scores, tokens, gates, counts, routed, dropped, chosen, assignments = static_route(logits, bias, c)
     f = sequence_counts(chosen, rows, c.n_experts) if c.aux_loss == "sequence" else routed
     aux, z = balance_losses(logits, scores, f, c)
     aux, z = aux * scale, z * scale
     out = local_experts(x, tokens, gates, counts, w_gate, w_up, w_down, c.top_k, assignments)
+    if decided:
+        return out, aux, z, aux + z, routed, dropped, scores.detach(), chosen, assignments
     return out, aux, z, aux + z, routed, dropped
 
 
@@ -673,11 +677,12 @@ class MoE(nn.Module):
     def _whole_on_gpu(self, flat) -> bool:
         """Whether the layer runs as one compiled region (`whole_layer`): on a GPU where the
         grouped GEMMs apply, with its experts here (no dispatch), its f_i from its own tokens
-        (no statistics or sequence group), its router a plain linear layer (not sequence
-        parallel) and nothing recorded for the check; and so in a plan of such a layer (the
-        meta device), which prices the region as one kernel. Elsewhere the same functions run
-        in three regions, each priced as one kernel by the simulator."""
-        return ((flat.is_cuda or flat.is_meta) and not self.record and self.dispatch is None and self.stats_group is None
+        (no statistics or sequence group) and its router a plain linear layer (not sequence
+        parallel), under the check too (the region then also gives the decision it made); and
+        so in a plan of such a layer (the meta device), which prices the region as one kernel.
+        Elsewhere the same functions run in three regions, each priced as one kernel by the
+        simulator."""
+        return ((flat.is_cuda or flat.is_meta) and self.dispatch is None and self.stats_group is None
                 and self.sequence_group is None and type(self.router) is nn.Linear
                 and grouped_mm_applies(flat, self.experts.w_gate))
 
@@ -737,9 +742,15 @@ class MoE(nn.Module):
                 # what it reads and writes in HBM: the router's weight and its bf16 copy, each
                 # token's k rows of routing (token, gate, order), and the local experts' (above)
                 io = 6 * c.n_experts * c.d_model + 20 * T * c.top_k + self._experts_io(T, T * c.top_k)
-                out, aux, z, loss, routed, dropped = region(
+                # (under the check, with the decision it made; not as CUDA graphs, which hold the
+                # outputs a replay rewrites)
+                out, aux, z, loss, routed, dropped, *decided = region(
                     "moe_layer", io, whole_layer, flat, self.router.weight, self.expert_bias, e.w_gate, e.w_up, e.w_down,
-                    c, b, self.aux_scale, checkpointed=self.checkpointed, graph=self.graph)
+                    c, b, self.aux_scale, self.record, checkpointed=self.checkpointed,
+                    graph=None if self.record else self.graph)
+                if decided and not flat.is_meta:
+                    scores, chosen, assignments = decided
+                    self._keep_decision(scores, Routing(None, None, None, routed, dropped, chosen, assignments))
                 self._add_load(routed)
                 if self.shared is not None:
                     out = out + self.shared(flat)

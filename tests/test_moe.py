@@ -622,13 +622,16 @@ def test_routing_in_static_shapes_equals_routing_the_kept_rows(cf, router, monke
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cf", [0.0, 1.0])
-def test_the_regions_a_gpu_compiles_compile_whole_and_equal_the_eager_layer(cf, monkeypatch):
+@pytest.mark.parametrize("record", [False, True], ids=["training", "under-the-check"])
+def test_the_regions_a_gpu_compiles_compile_whole_and_equal_the_eager_layer(cf, record, monkeypatch):
     """What a GPU runs through torch.compile (the routing in static shapes, the balancing
     losses, the local experts' gather, grouped GEMMs and combine) compiles as one graph each
     (fullgraph: a graph break would fall back to op by op, silently slower), here on the CPU,
     and so does the whole layer as one region (`whole_layer`, where nothing is exchanged with
     other ranks); the layer's output and gradients, eager or compiled, equal those of the
-    CPU's path (a loop over the experts, an index_select and an index_add), in bf16."""
+    CPU's path (a loop over the experts, an index_select and an index_add), in bf16. Under the
+    check (`record`) every path runs so too and keeps the decision it routed by: the same
+    one."""
     import dataclasses
 
     import model.compiled as compiled_module
@@ -649,7 +652,7 @@ def test_the_regions_a_gpu_compiles_compile_whole_and_equal_the_eager_layer(cf, 
         monkeypatch.setattr(compiled_module, "fused_on", lambda fn, t: torch.compile(fn, fullgraph=True, dynamic=False)
                             if fused is True or fused == "whole" else fn)  # (what model.compiled.region runs)
         monkeypatch.setattr(moe_module.MoE, "_whole_on_gpu", lambda self, flat: fused == "whole")
-        layer.stats = mm.MoEStats()
+        layer.stats, layer.record = mm.MoEStats(), record
         for p in layer.parameters():
             p.grad = None
         xi = x.clone().requires_grad_()
@@ -662,6 +665,12 @@ def test_the_regions_a_gpu_compiles_compile_whole_and_equal_the_eager_layer(cf, 
         (y.float() * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
         got[fused] = (y.detach().float(), xi.grad.float(), [p.grad.float() for p in layer.parameters()],
                       layer.stats.resolved())
+        assert len(layer.stats.decisions) == record
+        if record:
+            decisions = got.setdefault("decisions", [])
+            decisions.append(layer.stats.decisions[0])
+    for chosen_by, decision in got.get("decisions", []):
+        assert decision.same(got["decisions"][0][1]) and decision.same(choose(chosen_by, cfg))
     y1, gx1, gp1, st1 = got["loop"]
 
     def close(a, b, rel):  # bf16 rounding, at the scale of the tensor's largest entry
