@@ -558,6 +558,11 @@ def sequence_counts(chosen, rows: int, E: int) -> torch.Tensor:
 
 
 class MoE(nn.Module):
+    # kept in float32 beside 16-bit compute copies: steps of γ = 1e-3 vanish in bf16 once the
+    # bias reaches 0.5 (its spacing there is 2^-8), and are doubled from 0.25 (Megatron-Core's
+    # router keeps its expert bias in float32 "to avoid routing errors when updating" it)
+    float32_buffers = ("expert_bias",)
+
     def __init__(self, c, shared: nn.Module | None = None):
         """shared: the shared experts' SwiGLU (n_shared_experts · expert_width wide), or None."""
         super().__init__()

@@ -133,6 +133,23 @@ def test_bias_update_is_gamma_times_the_sign_of_mean_minus_load():
     assert layer.expert_bias.tolist() == [-0.25, 0.75, -0.75, 0.25]
 
 
+@pytest.mark.parametrize("axes", [dict(dp=2), pytest.param(dict(dp=2, zero=1), marks=pytest.mark.slow),
+                                  dict(dp=2, zero=3, ep=2), pytest.param(dict(pp=2), marks=pytest.mark.slow)],
+                         ids=["copies", "zero1", "zero3-ep2", "pp2"])
+def test_the_bias_stays_float32_beside_bf16_compute_copies(axes):
+    """The compute copies' engine casts the model's floating buffers to bf16 (the RoPE tables),
+    but not the balancing bias: in bf16 its steps of γ round away (its spacing is 2^-8 at 0.5,
+    where a step of 1e-3 is lost). After one step each moved expert's bias is float32's γ,
+    not bf16's (0.00099945)."""
+    from playground import train
+    res = train(RunConfig(model=DSMOE, layout=Layout(micro_batch_size=2, microbatches=2, **axes), steps=1,
+                          dtype="bfloat16", progress=False))
+    gamma = torch.tensor(DSMOE.bias_update_rate, dtype=torch.float32).item()
+    biases = [layer["bias"] for layer in res.moe_steps()[0].values()]
+    assert biases and all(abs(b) in (0.0, gamma) for bias in biases for b in torch.as_tensor(bias).tolist())
+    assert any(b != 0.0 for bias in biases for b in torch.as_tensor(bias).tolist())
+
+
 def test_recomputation_does_not_count_the_load_twice():
     layer = MoE(BASE.with_(bias_update_rate=0.1))
     layer.recomputing = True

@@ -156,10 +156,12 @@ class ZeroDataParallel(nn.Module):
         self.scaler = loss_scaler
         self.grad_scale = grad_scale  # multiplies the averaged gradients (expert parallelism's divisor)
         n, r = (1, 0) if stage == 0 else (group.size, group.rank)
-        if self.mixed:  # the model computes in the compute dtype: its floating buffers too (RoPE tables)
-            for b in module.buffers():
-                if b.is_floating_point():
-                    b.data = b.data.to(self.compute_dtype)
+        if self.mixed:  # the model computes in the compute dtype: its floating buffers too (RoPE tables),
+            # but for state a module keeps in float32 (`float32_buffers`: the MoE balancing bias)
+            for m in module.modules():
+                for name, b in m.named_buffers(recurse=False):
+                    if b.is_floating_point() and name not in getattr(m, "float32_buffers", ()):
+                        b.data = b.data.to(self.compute_dtype)
         self.units = [FlatUnit(i, name, params, n, r, self.compute_dtype) for i, (name, _, params) in enumerate(specs)]
         self._modules_of = {u: m for u, (_, m, _) in zip(self.units, specs)}
         self._where = {}
