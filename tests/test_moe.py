@@ -490,7 +490,6 @@ def test_the_grouped_gemm_experts_equal_the_loop(monkeypatch):
     """The experts as three grouped GEMMs (the GPU path: torch._grouped_mm over the experts'
     token ranges) give the loop's outputs and gradients, in bf16, with an expert given no
     token; the counts stay a device tensor (no host read)."""
-    import model.compiled as compiled_module
     import model.moe as moe_module
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no _grouped_mm")
