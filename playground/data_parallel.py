@@ -54,11 +54,12 @@ def uses_zero(run) -> bool:
     return run.dtype in ("bfloat16", "float16") and not run.autocast or bool(run.layout.zero)
 
 
-def data_parallel(parts, stages, groups, run, device) -> tuple:
+def data_parallel(parts, stages, groups, run, device, everyone=None) -> tuple:
     """Wrap each part's parameter groups (`groups[i]`: the ParamGroups of `parts[i]`, whose
     pipeline stage is `stages[i]`); returns (syncs, optimizer, autocast, hidden_dtype): each
     part's wrappers together (`Syncs`), the run's optimizer, the autocast context of its
-    forward, and the dtype of the activations between pipeline stages."""
+    forward, and the dtype of the activations between pipeline stages. `everyone`: groups
+    spanning every rank of the model, over which fp16's overflow is agreed."""
     layout = run.layout
     label = (lambda s, name: f"{name}.pp{s}") if layout.pp > 1 else (lambda s, name: name)
     zero = uses_zero(run)
@@ -81,7 +82,8 @@ def data_parallel(parts, stages, groups, run, device) -> tuple:
                                           grad_dtype=torch_dtype(run.grad_dtype) if run.grad_dtype else None,
                                           label=name, overlap=run.grad_overlap,
                                           replicate=g.replicate, accumulate=layout.pp > 1,
-                                          finish_at_step=layout.pp > 1, fused_master_step=run.fused_master_step))
+                                          finish_at_step=layout.pp > 1, fused_master_step=run.fused_master_step,
+                                          overflow_groups=everyone))
             elif g.group.size > 1 or g.scale != 1:  # (a group of one rank has nothing to average)
                 w.append(DistributedDataParallel(part, g.group, bucket_cap_mb=bucket_mb, label=name, params=params,
                                                  grad_scale=g.scale, finish_at_step=layout.pp > 1))
@@ -269,3 +271,10 @@ def data_parallel_group(mesh, layout):
     """The group gradients are averaged over: dp × cp (context-parallel ranks hold the same
     parameters and see different tokens of the same sequences)."""
     return mesh.group("dp", "cp") if layout.cp > 1 else mesh.group("dp")
+
+
+def model_groups(mesh) -> list:
+    """Groups that together span every rank of the model: its data-, context- and
+    tensor-parallel ranks, then its pipeline stages (those of more than one rank). Where all
+    must decide alike (a NaN found, an fp16 overflow), a flag all-reduced over each in turn."""
+    return [g for g in (mesh.group("dp", "cp", "tp"), mesh.group("pp")) if g.size > 1]

@@ -47,7 +47,7 @@ from pipeline import PipelineExecutor, build_schedule, split_stages
 from sequence_parallel import parallelize_context, shard_sequence
 from tensor_parallel import parallelize_tensor
 
-from .data_parallel import ParamGroup, data_parallel, data_parallel_group
+from .data_parallel import ParamGroup, data_parallel, data_parallel_group, model_groups
 
 
 # -- how a step runs ---------------------------------------------------------------------------
@@ -244,7 +244,7 @@ def parallelize(model, mesh, run, device, state_dict=None) -> ParallelModel:
                         else (dp, None))
     groups = [[ParamGroup(shard, replicate=replicate)] + (experts.param_groups(part) if experts else [])
               for part in parts]
-    syncs, optimizer, autocast, hidden_dtype = data_parallel(parts, stages, groups, run, device)
+    syncs, optimizer, autocast, hidden_dtype = data_parallel(parts, stages, groups, run, device, model_groups(mesh))
     if layout.pp > 1:
         pp = mesh.group("pp")
         split = layout.tp if layout.sequence_parallel else 1  # SP: stages pass the rank's slice of the sequence

@@ -17,7 +17,7 @@ from model import GPT
 from model.regions import attention_kernels
 from simulator import MemoryTracker
 
-from .data_parallel import data_parallel_group
+from .data_parallel import data_parallel_group, model_groups
 from .faults import LaggedCheck, nonfinite
 from .parallelize import parallelize
 
@@ -41,8 +41,7 @@ class RankProgram:
                                  device, state_dict=state_dict)
         n = layout.global_batch // layout.dp
         self.rows = slice(self.dp.rank * n, (self.dp.rank + 1) * n)  # this rank's rows of each global batch
-        # the NaN check's groups: data- and tensor-parallel ranks, then the pipeline's stages (the world)
-        self.everyone = [g for g in (self.mesh.group("dp", "cp", "tp"), self.mesh.group("pp")) if g.size > 1]
+        self.everyone = model_groups(self.mesh)  # the NaN check's groups (the world)
 
     def local(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a global batch (rows of seq_len + 1 tokens)."""

@@ -193,6 +193,35 @@ def _fp16(world, init_scale):
     return losses, taken, z.scaler.scale
 
 
+@pytest.mark.parametrize("axes", [dict(dp=2, tp=2), pytest.param(dict(cp=2, tp=2, zero=1), marks=pytest.mark.slow)],
+                         ids=["dp2-tp2", "cp2-tp2-zero1"])
+def test_an_fp16_overflow_in_one_tensor_parallel_slice_skips_the_step_everywhere(axes, monkeypatch):
+    """An overflow in the gradient of one tensor-parallel rank's slice (a weight gradient sums
+    over every token, so one slice can overflow alone): every rank skips the step and halves
+    its scale, so the replicated weights (the norms) stay equal and the check passes. Agreed
+    over the ZeRO group alone, that slice's data-parallel ranks skipped while the others
+    stepped: the replicas parted and the loss scales disagreed."""
+    import threading
+
+    import zero.loss_scaler as ls
+    real, calls = ls.DynamicLossScaler.found_overflow, {}
+
+    def one_slice_overflows(self, grads, groups, label):
+        name = threading.current_thread().name
+        calls[name] = calls.get(name, 0) + 1
+        if name == "sim-rank-0" and calls[name] % 3 == 2:  # the second step of each run: rank 0's slice only
+            grads[0].view(-1)[0] = float("inf")
+        return real(self, grads, groups, label)
+    monkeypatch.setattr(ls.DynamicLossScaler, "found_overflow", one_slice_overflows)
+    run = RunConfig(model=preset("tiny", vocab_size=61), layout=Layout(micro_batch_size=2, **axes), steps=3,
+                    dtype="float16", progress=False)
+    rep = check(run)
+    assert rep.passed, rep.problems[:2]
+    scales = {tuple(s["loss_scale"] for s in v["steps"]) for v in rep.result.values}
+    skipped = {tuple(s["skipped"] for s in v["steps"]) for v in rep.result.values}
+    assert len(scales) == 1 and skipped == {(False, True, False)}, (scales, skipped)
+
+
 def test_float16_with_dynamic_loss_scaling_skips_overflows_then_trains():
     losses, taken, scale = launch(_fp16, 2, args=(2.0 ** 20,)).values[0]
     assert taken[0] is False  # 2^20 overflows fp16: skipped, and the scale halves until it fits

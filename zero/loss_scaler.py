@@ -18,12 +18,16 @@ class DynamicLossScaler:
         self.good_steps = 0
         self.skipped = 0
 
-    def found_overflow(self, grads, group, label: str) -> bool:
-        """Whether any rank's gradients hold an inf or NaN (one small all-reduce, so every
-        rank decides the same)."""
+    def found_overflow(self, grads, groups, label: str) -> bool:
+        """Whether any rank's gradients hold an inf or NaN (one small all-reduce over each of
+        `groups`, so every rank decides the same). The groups must span every rank holding
+        part of the model's gradients: a tensor-parallel slice that skipped while the other
+        slices stepped would leave their replicated weights apart (Megatron-LM all-reduces
+        its found_inf over the model-parallel group too)."""
         local = any(not torch.isfinite(g).all() for g in grads)
         flag = torch.tensor([1.0 if local else 0.0], dtype=torch.float32, device=grads[0].device)
-        group.all_reduce(flag, op=ReduceOp.MAX, label=label)
+        for group in groups:
+            group.all_reduce(flag, op=ReduceOp.MAX, label=label)
         return bool(flag.item())
 
     def update(self, overflow: bool) -> None:

@@ -122,8 +122,11 @@ class ZeroDataParallel(nn.Module):
                  eps: float = 1e-8, weight_decay: float = 1e-2, compute_dtype=None, reduce_dtype=None, grad_dtype=None,
                  loss_scaler: DynamicLossScaler | None = None, label: str = "zero",
                  overlap: bool = True, replicate=None, accumulate: bool = False, finish_at_step: bool = False,
-                 fused_master_step: bool = True):
+                 fused_master_step: bool = True, overflow_groups=None):
         super().__init__()
+        # fp16: the groups whose ranks agree on an overflow (`DynamicLossScaler.found_overflow`):
+        # every rank holding part of the model; by default the ZeRO group
+        self.overflow_groups = overflow_groups or [group]
         self.finish_at_step = finish_at_step  # the reductions are waited by finish_grad_sync
         self.fused_master_step = fused_master_step  # compute copies at stages 0-2: AdamW in one pass (`step`)
         if stage not in (0, 1, 2, 3):
@@ -223,7 +226,7 @@ class ZeroDataParallel(nn.Module):
         one pass, torch's fused kernel): the parameters are published unchanged."""
         grads = [self._local_grad(u) for u in self.units]
         if self.scaler:
-            overflow = self.scaler.found_overflow(grads, self.group, label=f"{self.label}.overflow")
+            overflow = self.scaler.found_overflow(grads, self.overflow_groups, label=f"{self.label}.overflow")
             scale = self.scaler.scale
             self.scaler.update(overflow)
             if overflow:
