@@ -224,6 +224,12 @@ class ComputeModel(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _ATEN._local_scalar_dense.default and args[0].is_meta:
+            # a value read on the host in a plan (an fp16 overflow flag): the host waits for the
+            # device as the run's does; a meta tensor holds no value, and it reads as zero
+            if self._fused is None:
+                self.synchronize()
+            return False if args[0].dtype is torch.bool else 0.0 if args[0].dtype.is_floating_point else 0
         out = _on_meta(func, args, kwargs)
         if out is None:
             out = func(*args, **kwargs)

@@ -615,3 +615,25 @@ def test_a_compiled_regions_backward_costs_the_host_one_call():
     w.requires_grad_()
     g = torch.autograd.grad(region("chain", 0, _chain, x, w).sum(), (x, w))
     assert all(torch.equal(a, b) for a, b in zip(g, torch.autograd.grad(_chain(x, w).sum(), (x, w))))
+
+
+def test_a_value_read_from_a_meta_tensor_waits_for_the_device_and_reads_zero():
+    """A plan's host read (an fp16 overflow flag's `.item()` on the meta device): the value
+    reads as zero, and the host waits for the device as a real read does, so the ops after it
+    are issued one floor apart on an idle device instead of queueing behind the matmul."""
+    def fn(world, read):
+        a = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
+        x = torch.empty(16, device="meta")
+        world.timing.compute_model.synchronize()
+        t0 = world.timing.clock.now
+        a @ a
+        value = x[:1].sum().item() if read else None
+        for _ in range(10):
+            x = x + 1
+        return world.timing.clock.now - t0, value
+    floor = H100.kernel_floor
+    matmul = 2 * 4096 ** 3 / (H100.peak_bf16_flops * H100.matmul_fraction)
+    behind, _ = launch(fn, 1, args=(False,), time_model=SimulatedTime(H100)).values[0]
+    waited, value = launch(fn, 1, args=(True,), time_model=SimulatedTime(H100)).values[0]
+    assert value == 0.0 and behind < floor + matmul + 10 * floor
+    assert waited >= floor + matmul + 10 * floor

@@ -18,16 +18,23 @@ class DynamicLossScaler:
         self.good_steps = 0
         self.skipped = 0
 
-    def found_overflow(self, grads, groups, label: str) -> bool:
+    def found_overflow(self, grads, groups, label: str, device=None) -> bool:
         """Whether any rank's gradients hold an inf or NaN (one small all-reduce over each of
         `groups`, so every rank decides the same). The groups must span every rank holding
         part of the model's gradients: a tensor-parallel slice that skipped while the other
         slices stepped would leave their replicated weights apart (Megatron-LM all-reduces
         its found_inf over the model-parallel group too)."""
-        local = any(not torch.isfinite(g).all() for g in grads)
-        flag = torch.tensor([1.0 if local else 0.0], dtype=torch.float32, device=grads[0].device)
+        device = device or grads[0].device
+        # the flag made on the device and read on the host once, after the all-reduce
+        flag = (torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().any().to(torch.float32).reshape(1)
+                if grads else torch.zeros(1, dtype=torch.float32, device=device))
         for group in groups:
             group.all_reduce(flag, op=ReduceOp.MAX, label=label)
+        if flag.is_meta:  # a plan's gradients hold no values: no step overflows. Under the compute
+            try:  # model the read reads zero, the host waiting as the run's does (simulator/
+                return bool(flag.item())  # compute_model.py); a step it does not time cannot read
+            except RuntimeError:
+                return False
         return bool(flag.item())
 
     def update(self, overflow: bool) -> None:
