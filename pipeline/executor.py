@@ -5,7 +5,11 @@
   (blocking), `SEND_F` sends the output to the next stage's (asynchronous: the send is
   waited at the end of the step, so no rank blocks on a peer that is busy computing).
 - `F` runs the chunk; on the last stage it returns the microbatch's loss, scaled by 1/m
-  so the gradients of the step are those of the mean over the global batch.
+  so the gradients of the step are those of the mean over the global batch; its backward
+  starts from that loss times the fp16 loss scale (the chunk's wrapper's `scale_loss`:
+  Micikevicius et al. 2018), so the gradients every earlier stage receives and sends are
+  scaled once, and every stage's engine divides by the same scale (one scaler per rank,
+  its overflow agreed over every rank of the model: playground/data_parallel.py).
 - `RECV_B` receives the gradient of the chunk's output; `B` backpropagates through the
   chunk; `SEND_B` sends the gradient of its input back.
 - Split backward (zero-bubble, Qi et al. 2023): every linear layer of the chunks runs in
@@ -119,6 +123,7 @@ class PipelineExecutor:
                 if s == last_stage:
                     y = y / m
                     total += y.detach().double()
+                    y = self.syncs[a.chunk].scale_loss(y) if self.syncs is not None else y
                 out[key] = y
             elif a.kind == "SEND_F":
                 # (a send takes a dense tensor: a sequence-parallel stage's output is a strided view)

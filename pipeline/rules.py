@@ -1,7 +1,7 @@
 """What a pipeline (GPipe, Huang et al. 2019; 1F1B, Narayanan et al. 2021; ZB-H1, Qi et al.
 2023) needs of a model and a layout: the blocks split into pp·virtual_stages stages, a
-schedule that exists for its microbatch count, and one loss scale for all stages. `problem`
-and `run_problem` name the numbers that disagree (or None). No torch here."""
+schedule that exists for its microbatch count. `problem` names the numbers that disagree
+(or None). No torch here."""
 from __future__ import annotations
 
 from model.config import divisors
@@ -33,9 +33,3 @@ def problem(config, pp: int, schedule: str, microbatches: int, virtual_stages: i
             return f"pp={pp}, schedule {schedule!r}: {e}"
     return None
 
-
-def run_problem(pp: int, dtype: str) -> str | None:
-    if dtype == "float16" and pp > 1:
-        return (f"--dtype float16 with pp={pp}: dynamic loss scaling across pipeline stages is not proven (each "
-                f"stage's engine holds its own loss scale); use bfloat16")
-    return None

@@ -32,7 +32,7 @@ from ddp import DistributedDataParallel
 from model import placement_of
 from zero.optimizer import adamw, step_count, step_unless, steps_taken
 from simulator.memory import storage_bytes
-from zero import ZeroDataParallel
+from zero import DynamicLossScaler, ZeroDataParallel
 
 from .run_config import torch_dtype
 
@@ -63,6 +63,9 @@ def data_parallel(parts, stages, groups, run, device, everyone=None) -> tuple:
     layout = run.layout
     label = (lambda s, name: f"{name}.pp{s}") if layout.pp > 1 else (lambda s, name: name)
     zero = uses_zero(run)
+    # fp16: one loss scaler for every engine of the rank (a pipeline's chunks, the experts'
+    # beside the dense parameters), whose overflow the optimizer decides once for all of them
+    scaler = DynamicLossScaler() if zero and run.dtype == "float16" else None
     bucket_mb = run.bucket_cap_mb if run.grad_overlap else float("inf")  # one bucket: reduced after backward
     wrappers = []
     for s, part, part_groups in zip(stages, parts, groups):
@@ -83,13 +86,13 @@ def data_parallel(parts, stages, groups, run, device, everyone=None) -> tuple:
                                           label=name, overlap=run.grad_overlap,
                                           replicate=g.replicate, accumulate=layout.pp > 1,
                                           finish_at_step=layout.pp > 1, fused_master_step=run.fused_master_step,
-                                          overflow_groups=everyone))
+                                          loss_scaler=scaler, overflow_groups=everyone))
             elif g.group.size > 1 or g.scale != 1:  # (a group of one rank has nothing to average)
                 w.append(DistributedDataParallel(part, g.group, bucket_cap_mb=bucket_mb, label=name, params=params,
                                                  grad_scale=g.scale, finish_at_step=layout.pp > 1))
         wrappers.append(w)
     if zero:
-        optimizer = ShardedOptimizer([e for w in wrappers for e in w])
+        optimizer = ShardedOptimizer([e for w in wrappers for e in w], everyone)
         autocast = contextlib.nullcontext()  # ZeRO computes in its compute copies' dtype
         hidden_dtype = torch_dtype(run.dtype) if run.dtype in ("bfloat16", "float16") else run.param_dtype
     else:
@@ -214,14 +217,29 @@ class ReplicatedAdamW:
 
 
 class ShardedOptimizer:
-    """ZeRO: each part's engine updates the shards it owns."""
+    """ZeRO: each part's engine updates the shards it owns. fp16: the engines share one
+    loss scaler (`data_parallel`), and the step's overflow is decided once, over every
+    engine's gradients and every rank of the model (`everyone`), so that every engine of
+    every rank skips the same steps and keeps the same scale: the scale a pipeline's last
+    stage multiplied the loss by is the one each earlier stage divides by."""
 
-    def __init__(self, engines: list):
-        self.engines = engines
+    def __init__(self, engines: list, everyone=None):
+        self.engines, self.everyone = engines, everyone
+        scalers = {id(e.scaler): e.scaler for e in engines if e.scaler is not None}
+        if len(scalers) > 1:
+            raise ValueError(f"the engines of a rank hold {len(scalers)} loss scalers: they must share one")
+        self.scaler = next(iter(scalers.values()), None)
 
     def step(self, found_inf=None) -> None:
+        overflow = None
+        if self.scaler is not None:
+            grads = [g for e in self.engines for _, g in e.local_grads()]
+            overflow = self.scaler.found_overflow(grads, self.everyone or [e.group for e in self.engines[:1]],
+                                                  label="zero.overflow", device=self.engines[0].units[0].flat.device)
         for e in self.engines:
-            e.step(found_inf)
+            e.step(found_inf, overflow)
+        if overflow is not None:
+            self.scaler.update(overflow)
 
     def pieces(self, what: str) -> list:
         return [x for e in self.engines for x in e.pieces(what)]
@@ -253,7 +271,7 @@ class ShardedOptimizer:
 
     @property
     def scalers(self) -> list:
-        return [e.scaler for e in self.engines if e.scaler is not None]
+        return [self.scaler] if self.scaler is not None else []
 
 
 

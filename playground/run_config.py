@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from activation_checkpointing import rules as ac_rules
 from model import GPTConfig, preset
 from moe import rules as expert_rules
-from pipeline import rules as pipeline_rules
 from zero import rules as zero_rules
 
 from .layout import Layout
@@ -85,7 +84,6 @@ class RunConfig:
         layout = self.layout
         for found in (zero_rules.run_problem(layout.zero, self.dtype, self.reduce_dtype, self.grad_overlap),
                       expert_rules.run_problem(self.model, self.dtype),
-                      pipeline_rules.run_problem(layout.pp, self.dtype),
                       ac_rules.run_problem(layout.ac, self.compile)):
             if found:  # what a strategy needs of the run (its `rules` module)
                 raise ValueError(found)

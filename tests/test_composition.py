@@ -191,6 +191,73 @@ def test_zero_2_and_3_with_a_pipeline_move_zero_1s_bytes_and_stage_3_reshards_at
     assert after[3] < after[1]  # stage 3 resharded its units at the step
 
 
-def test_float16_with_a_pipeline_is_refused():
-    with pytest.raises(ValueError, match="float16 with pp=2"):
-        _run("float16", pp=2, dp=2, zero=1, microbatches=2)
+FP16_PIPELINES = {
+    "pp2-dp2-zero1": dict(pp=2, dp=2, zero=1, microbatches=4),
+    "pp2-zb1": dict(pp=2, schedule="zb1"),
+    "pp2-interleaved": dict(pp=2, schedule="interleaved", virtual_stages=2, model=preset("tiny", vocab_size=61,
+                                                                                          n_layers=4)),
+    "pp2-tp2-sp": dict(pp=2, tp=2, sp=True),
+    "pp3-gpipe": dict(pp=3, schedule="gpipe", microbatches=3, model=preset("tiny", vocab_size=61, n_layers=3)),
+    "pp2-dp2-zero3": dict(pp=2, dp=2, zero=3),
+}
+
+
+def _overflow_on(monkeypatch, rank: int, step: int) -> None:
+    """Plant an inf in `rank`'s gradients at the optimizer's `step` (1-based) of each run."""
+    import threading
+
+    import zero.loss_scaler as ls
+    real, calls = ls.DynamicLossScaler.found_overflow, {}
+
+    def planted(self, grads, groups, label, device=None):
+        name = threading.current_thread().name
+        calls[name] = calls.get(name, 0) + 1
+        if name == f"sim-rank-{rank}" and calls[name] % 3 == step:
+            grads[0].view(-1)[0] = float("inf")
+        return real(self, grads, groups, label, device)
+    monkeypatch.setattr(ls.DynamicLossScaler, "found_overflow", planted)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("pp3-gpipe", "pp2-dp2-zero3")
+                                  else n for n in FP16_PIPELINES])
+def test_float16_through_a_pipeline_matches_one_device(name, monkeypatch):
+    """fp16 dynamic loss scaling across pipeline stages (Micikevicius et al. 2018): the last
+    stage multiplies the loss by the scale, every earlier stage receives gradients scaled
+    once, and every engine divides by the one scale its rank's optimizer holds. An overflow
+    planted in the last stage's gradients alone (at step 2) is agreed over every stage: every
+    rank skips that step and halves its scale, and the check passes."""
+    run = _run("float16", **FP16_PIPELINES[name])
+    last = run.layout.world - 1  # (rank order: the pipeline's last stage holds the last ranks)
+    _overflow_on(monkeypatch, rank=last, step=2)
+    rep = check(run)
+    _assert_passed(rep)
+    scales = {tuple(s["loss_scale"] for s in v["steps"]) for v in rep.result.values}
+    skipped = {tuple(s["skipped"] for s in v["steps"]) for v in rep.result.values}
+    assert scales == {(2.0 ** 16, 2.0 ** 16, 2.0 ** 15)} and skipped == {(False, True, False)}, (scales, skipped)
+
+
+@pytest.mark.sabotage
+def test_check_catches_a_pipeline_whose_last_stage_does_not_scale_the_loss(monkeypatch):
+    """Sabotage: the loss backpropagated unscaled while the engines divide by the scale."""
+    from playground.data_parallel import Syncs
+    monkeypatch.setattr(Syncs, "scale_loss", lambda self, loss: loss)
+    rep = check(_run("float16", pp=2, dp=2, zero=1, microbatches=4))
+    assert not rep.passed and any(r.what == "grad" and not r.ok for r in rep.rows)
+
+
+@pytest.mark.sabotage
+def test_check_catches_pipeline_stages_that_decide_an_overflow_apart(monkeypatch):
+    """Sabotage: each stage's engine decides an overflow over its own data-parallel group
+    (the pipeline before one scaler per rank): with an overflow in the last stage only,
+    that stage skips and halves its scale while the first steps."""
+    from playground.data_parallel import ShardedOptimizer
+
+    def apart(self, found_inf=None):
+        for e in self.engines:
+            e.overflow_groups = [e.group]
+            e.step(found_inf)
+    monkeypatch.setattr(ShardedOptimizer, "step", apart)
+    run = _run("float16", pp=2, dp=2, zero=1, microbatches=4)
+    _overflow_on(monkeypatch, rank=run.layout.world - 1, step=2)
+    rep = check(run)
+    assert not rep.passed

@@ -20,10 +20,10 @@ CFG = preset("small", n_layers=2)
 @pytest.mark.parametrize("layout,dtype", [(Layout(dp=2, micro_batch_size=2), "float32"),
                                           (Layout(tp=2, pp=2, microbatches=2, micro_batch_size=2), "float32"),
                                           # (fp16's loss scaler: its overflow all-reduce planned, no step skipped)
-                                          (Layout(dp=2, tp=2, zero=1, micro_batch_size=2), "float16"),
+                                          (Layout(dp=2, pp=2, zero=1, microbatches=2, micro_batch_size=2), "float16"),
                                           pytest.param(Layout(cp=2, dp=2, zero=3, micro_batch_size=2), "float32",
                                                        marks=pytest.mark.slow)],
-                         ids=["dp2", "tp2-pp2", "dp2-tp2-zero1-fp16", "cp2-dp2-zero3"])
+                         ids=["dp2", "tp2-pp2", "dp2-pp2-zero1-fp16", "cp2-dp2-zero3"])
 def test_the_plan_equals_the_simulated_step_of_a_real_run(layout, dtype):
     # (a profile without contention beside communication: that depends on when a call starts,
     # and a stand-in's calls start as if every member arrived with it; with h100-sxm's the

@@ -206,12 +206,12 @@ def test_an_fp16_overflow_in_one_tensor_parallel_slice_skips_the_step_everywhere
     import zero.loss_scaler as ls
     real, calls = ls.DynamicLossScaler.found_overflow, {}
 
-    def one_slice_overflows(self, grads, groups, label):
+    def one_slice_overflows(self, grads, groups, label, device=None):
         name = threading.current_thread().name
         calls[name] = calls.get(name, 0) + 1
         if name == "sim-rank-0" and calls[name] % 3 == 2:  # the second step of each run: rank 0's slice only
             grads[0].view(-1)[0] = float("inf")
-        return real(self, grads, groups, label)
+        return real(self, grads, groups, label, device)
     monkeypatch.setattr(ls.DynamicLossScaler, "found_overflow", one_slice_overflows)
     run = RunConfig(model=preset("tiny", vocab_size=61), layout=Layout(micro_batch_size=2, **axes), steps=3,
                     dtype="float16", progress=False)

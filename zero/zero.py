@@ -219,16 +219,20 @@ class ZeroDataParallel(nn.Module):
         return g * self.grad_scale if self.grad_scale != 1.0 else g
 
     @torch.no_grad()
-    def step(self, found_inf=None) -> bool:
+    def step(self, found_inf=None, overflow: bool | None = None) -> bool:
         """AdamW on the shards, then publish the parameters; False if the step was skipped
         (fp16 overflow, or `found_inf` read on the host). `found_inf` (0-d float32, 1.0: a
         gradient somewhere was not finite) skips the update on the device where it can (the
-        one pass, torch's fused kernel): the parameters are published unchanged."""
+        one pass, torch's fused kernel): the parameters are published unchanged. fp16:
+        `overflow` is the decision of the optimizer that holds this engine beside others
+        sharing its scaler (it moves the scaler after all of them stepped at its scale); None:
+        the engine decides over its own gradients and moves its scaler itself."""
         grads = [self._local_grad(u) for u in self.units]
         if self.scaler:
-            overflow = self.scaler.found_overflow(grads, self.overflow_groups, label=f"{self.label}.overflow")
             scale = self.scaler.scale
-            self.scaler.update(overflow)
+            if overflow is None:
+                overflow = self.scaler.found_overflow(grads, self.overflow_groups, label=f"{self.label}.overflow")
+                self.scaler.update(overflow)
             if overflow:
                 self._zero_grads()
                 return False
