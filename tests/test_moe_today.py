@@ -245,14 +245,15 @@ def test_the_check_catches_a_bias_moved_by_a_ranks_own_counts(monkeypatch):
 
 
 @pytest.mark.sabotage
-def test_the_check_catches_shared_experts_reduced_as_experts(monkeypatch):
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_the_check_catches_shared_experts_reduced_as_experts(dtype, monkeypatch):
     """The shared experts put in the experts' parameter group: their gradient averaged over
     the expert-data-parallel group and divided by ep, as the routed experts' must be."""
     import moe.plan as plan
     real = plan.expert_parameters
     monkeypatch.setattr(plan, "expert_parameters", lambda model: real(model) + [
         p for layer in model.moe_layers() if layer.shared is not None for p in layer.shared.parameters()])
-    rep = check(_run(DSMOE, steps=1, dp=2, ep=2))
+    rep = check(_run(DSMOE, steps=1, dp=2, ep=2, dtype=dtype))
     assert not rep.passed and "shared" in rep.worst("grad").name
 
 
