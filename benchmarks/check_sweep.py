@@ -11,7 +11,7 @@ tp with and without sequence parallelism, pp with each schedule, virtual stages 
 stages, cp as zig-zag or contiguous ring attention or Ulysses, ep) and their compositions up
 to 8 ranks, ZeRO stages and hybrid sharding, each activation checkpointing mode, micro-batch
 sizes and microbatches, 1 to 5 AdamW steps, float64, float32, bfloat16 (compute copies, or
-autocast without ZeRO) and float16 (dense), the 16-bit copies' gradients kept
+autocast without ZeRO) and float16, the 16-bit copies' gradients kept
 or reduced in float32,
 learning rates, weight decay, bucket sizes and reduction after backward, and
 seeds; a draw the layout refuses is drawn again. Each runs `playground.check`; the table
@@ -105,8 +105,8 @@ def draw(rng: random.Random):
         ep = rng.choice([e for e in _divisors(dp * cp) if model.n_experts % e == 0]) if moe else 1
         zero = rng.choice((0, 1) if pp > 1 else (0, 1, 2, 3))
         u = rng.random()
-        # float16: ZeRO's loss-scaled compute copies, on dense models (MoE refuses it)
-        fp16 = u >= 0.92 and not moe
+        # float16: ZeRO's loss-scaled compute copies
+        fp16 = u >= 0.92
         dtype = "float64" if u < 0.55 else "float32" if u < 0.75 else "float16" if fp16 else "bfloat16"
         # bf16 as compute copies of fp32 masters (the default) or under autocast (`--autocast`)
         copies = dtype != "bfloat16" or zero > 0 or rng.random() < 0.67

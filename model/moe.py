@@ -161,17 +161,19 @@ class Replay:
 
 
 class _AddAuxLoss(torch.autograd.Function):
-    """Identity on the layer's output; in backward, also sends gradient 1 into the auxiliary
-    loss, so it is trained wherever the layer sits (Megatron's MoEAuxLossAutoScaler)."""
+    """Identity on the layer's output; in backward, also sends gradient `scale` into the
+    auxiliary loss, so it is trained wherever the layer sits (Megatron's MoEAuxLossAutoScaler):
+    1, or under fp16 the loss scale the model's loss is multiplied by (Micikevicius et al.
+    2018), as Megatron's `set_loss_scale` does, so that unscaling leaves it the gradient 1."""
 
     @staticmethod
-    def forward(ctx, out, aux):
-        ctx.shape = aux.shape
+    def forward(ctx, out, aux, scale=1.0):
+        ctx.shape, ctx.dtype, ctx.scale = aux.shape, aux.dtype, scale
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.ones(ctx.shape, dtype=grad.dtype, device=grad.device)
+        return grad, torch.full(ctx.shape, ctx.scale, dtype=ctx.dtype, device=grad.device), None
 
 
 def _compute_dtype(x):
@@ -581,6 +583,7 @@ class MoE(nn.Module):
         self.sequence_group = None  # layout: the ranks holding other parts of the same sequences
         self.dispatch = None  # expert parallelism: (x sorted expert-major, counts, experts) -> outputs
         self.aux_scale = 1.0
+        self.loss_scale = 1.0  # the gradient the auxiliary losses' backward starts from (fp16's loss scale)
         self.stats = MoEStats()
         self.index = None  # the block it sits in
         self.recomputing = False  # activation checkpointing runs the forward again: record nothing
@@ -760,7 +763,7 @@ class MoE(nn.Module):
                 if self.shared is not None:
                     out = out + self.shared(flat)
                 self._record(aux, z, routed, dropped)
-                return _AddAuxLoss.apply(out.reshape(b, s, d), loss)
+                return _AddAuxLoss.apply(out.reshape(b, s, d), loss, self.loss_scale)
             logits = self.router(flat)
             # in static shapes (compiled on a GPU; at a capacity the dispatch is the padded one,
             # `_padded`), except in a plan sending tokens dropless to other ranks (the uneven
@@ -789,7 +792,7 @@ class MoE(nn.Module):
                             logits, scores, counts, c, checkpointed=self.checkpointed)
             out = self._group(flat, r).reshape(b, s, d)
             self._record(aux * self.aux_scale, z * self.aux_scale, r.routed, r.dropped)
-            return _AddAuxLoss.apply(out, (aux + z) * self.aux_scale)
+            return _AddAuxLoss.apply(out, (aux + z) * self.aux_scale, self.loss_scale)
         return self._reference(x)
 
     def _reference(self, x):
@@ -823,4 +826,4 @@ class MoE(nn.Module):
             self._record(0, 0, r.routed, r.dropped)
         if not self.recomputing:
             self.stats.calls.append((_detached(aux_total), _detached(z_total), None, 0))
-        return _AddAuxLoss.apply(out, aux_total + z_total)
+        return _AddAuxLoss.apply(out, aux_total + z_total, self.loss_scale)

@@ -1,7 +1,6 @@
 """What expert parallelism (GShard, Lepikhin et al. 2020) needs of a model and a layout:
-experts to shard, ep dividing both the experts and the data-parallel ranks its groups are
-carved from, and a loss that is not scaled (the auxiliary losses are not loss-scaled under
-float16). `problem` and `run_problem` name the numbers that disagree (or None). No torch here."""
+experts to shard, and ep dividing both the experts and the data-parallel ranks its groups
+are carved from. `problem` names the numbers that disagree (or None). No torch here."""
 from __future__ import annotations
 
 from model.config import divisors
@@ -20,8 +19,3 @@ def problem(config, ep: int, dp: int, cp: int = 1) -> str | None:
                 f"{[d for d in divisors(c.n_experts) if (dp * cp) % d == 0]}")
     return None
 
-
-def run_problem(config, dtype: str) -> str | None:
-    if dtype == "float16" and config.n_experts:
-        return "--dtype float16 with experts: the MoE auxiliary losses are not loss-scaled; use bfloat16"
-    return None

@@ -137,6 +137,8 @@ def _low_precision_step(run: RunConfig, model: GPT, params: dict, batch, autocas
     size = run.layout.micro_batch_size if not model.moe_layers() else batch.shape[0]
     count = batch.shape[0] // size
     wide = run.grad_dtype == "float32" and not run.autocast
+    for layer in model.moe_layers():  # (the auxiliary losses' gradients scaled as the loss's)
+        layer.loss_scale = loss_scale
     acc, loss = {}, 0.0
     for i in range(count):
         piece = batch[i * size:(i + 1) * size]

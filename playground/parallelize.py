@@ -112,6 +112,9 @@ class ParallelModel:
             targets = [shard_sequence(y, self.positions) for y in targets]
         for term in self.loss_terms:
             term.begin(len(micro))
+        scalers = getattr(self.optimizer, "scalers", [])
+        for layer in self.moe_layers:  # (fp16: the auxiliary losses' gradients scaled as the loss's)
+            layer.loss_scale = scalers[0].scale if scalers else 1.0
         total = self.runner.run(inputs, targets, track)
         for term in self.loss_terms:
             total = total + term.total(total.device)

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 from activation_checkpointing import rules as ac_rules
 from model import GPTConfig, preset
-from moe import rules as expert_rules
 from zero import rules as zero_rules
 
 from .layout import Layout
@@ -83,7 +82,6 @@ class RunConfig:
             raise ValueError(f"reduce_dtype={self.reduce_dtype!r}: choose one of {sorted(DTYPES)}")
         layout = self.layout
         for found in (zero_rules.run_problem(layout.zero, self.dtype, self.reduce_dtype, self.grad_overlap),
-                      expert_rules.run_problem(self.model, self.dtype),
                       ac_rules.run_problem(layout.ac, self.compile)):
             if found:  # what a strategy needs of the run (its `rules` module)
                 raise ValueError(found)

@@ -94,6 +94,73 @@ def test_the_experts_engine_keeps_float32_masters(dtype, zero):
     assert rep.passed, (rep.problems, [r for r in rep.rows if not r.ok])
 
 
+def _experts_overflow_at_step_2(monkeypatch, step):
+    """Wrap the optimizer's step (`step`: the real one or a sabotage) to plant an inf in the
+    experts' engine's gradient on rank 0 at the second step of each run."""
+    from playground.data_parallel import ShardedOptimizer
+    calls = {}
+
+    def planted(self, found_inf=None):
+        name = threading.current_thread().name
+        calls[name] = calls.get(name, 0) + 1
+        if name == "sim-rank-0" and calls[name] % 3 == 2:
+            experts = [e for e in self.engines if "experts" in e.label]
+            experts[0].local_grads()[0][1].view(-1)[0] = float("inf")
+        return step(self, found_inf)
+    monkeypatch.setattr(ShardedOptimizer, "step", planted)
+
+
+FP16_LAYOUTS = {"dp2-ep2": (BASE, dict(dp=2, ep=2)),
+                "dp2-ep2-zero1-dropless": (BASE.with_(capacity_factor=0.0), dict(dp=2, ep=2, zero=1)),
+                "dsmoe-pp2-dp2-ep2": (preset("tiny-dsmoe", vocab_size=61), dict(pp=2, dp=2, ep=2)),
+                "dp2-tp2-sp-ep2": (BASE, dict(dp=2, tp=2, sequence_parallel=True, ep=2))}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if "pp2" in n or "tp2" in n else n
+                                  for n in FP16_LAYOUTS])
+def test_moe_in_float16_matches_one_device(name, monkeypatch):
+    """fp16 with experts: the auxiliary losses' backward starts from the loss scale, as the
+    loss's does (Megatron's MoEAuxLossAutoScaler.set_loss_scale); the dense and the experts'
+    engines share one scaler, so an overflow in the experts' gradients alone (planted at step
+    2) skips the step for both, on every rank."""
+    from playground.data_parallel import ShardedOptimizer
+    _experts_overflow_at_step_2(monkeypatch, ShardedOptimizer.step)
+    model, axes = FP16_LAYOUTS[name]
+    rep = check(_run(model=model, dtype="float16", **axes))
+    assert rep.passed, (rep.problems[:2], [r for r in rep.rows if not r.ok][:2])
+    assert rep.tolerance["grad"] is not None
+    scales = {tuple(s["loss_scale"] for s in v["steps"]) for v in rep.result.values}
+    skipped = {tuple(s["skipped"] for s in v["steps"]) for v in rep.result.values}
+    assert scales == {(2.0 ** 16, 2.0 ** 16, 2.0 ** 15)} and skipped == {(False, True, False)}, (scales, skipped)
+
+
+@pytest.mark.sabotage
+def test_the_check_catches_fp16_auxiliary_losses_not_loss_scaled(monkeypatch):
+    """The layout's auxiliary losses backpropagated from gradient 1 while the loss's starts
+    from the scale (the refusal's reason before they were scaled): after unscaling, the
+    router's balancing gradient is 2^16 times too small."""
+    real = mm._AddAuxLoss.apply
+
+    def unscaled(out, aux, scale=1.0):
+        return real(out, aux, 1.0 if threading.current_thread().name.startswith("sim-rank") else scale)
+    monkeypatch.setattr(mm._AddAuxLoss, "apply", unscaled)
+    rep = check(_run(steps=1, dp=2, ep=2, dtype="float16"))
+    assert not rep.passed and "router" in rep.worst("grad").name
+
+
+@pytest.mark.sabotage
+def test_the_check_catches_dense_and_expert_engines_deciding_an_overflow_apart(monkeypatch):
+    """Each engine decides an overflow over its own gradients and group: with an overflow in
+    the experts' gradients alone the experts skip the step while the dense parameters take it."""
+    def apart(self, found_inf=None):
+        for e in self.engines:
+            e.overflow_groups = [e.group]
+            e.step(found_inf)
+    _experts_overflow_at_step_2(monkeypatch, apart)
+    rep = check(_run(dp=2, ep=2, dtype="float16"))
+    assert not rep.passed
+
+
 # -- the dispatch at unit level -------------------------------------------------------------------
 class _Identity(torch.nn.Module):
     def forward(self, x, counts):
