@@ -103,6 +103,8 @@ def train_summary(res) -> str:
     lines.append(f"throughput: {res.tokens_per_s:,.0f} tokens/s (median step, {'device' if res.device_step_times else 'wall'} clock, "
                  f"{len(res.losses)} steps in {res.wall_s:.1f} s end to end), "
                  f"{tflops:.3g} model TFLOP/s per rank")
+    if run.dtype == "float16":
+        lines.append(loss_scaling(res))
     if run.faults or res.restarts or res.values[0].get("skipped_steps"):
         lines.append(faults_table(res))
     if cfg.n_experts:
@@ -124,6 +126,18 @@ def train_summary(res) -> str:
     return "\n".join(lines)
 
 
+def loss_scaling(res) -> str:
+    """fp16's dynamic loss scaling (Micikevicius et al. 2018): the scale after the last step,
+    and the steps the scaler skipped for an overflow (an inf or a NaN in a gradient on any
+    rank of the model: no update anywhere, the scale halved)."""
+    v = res.values[0]
+    steps = v.get("overflow_steps") or []
+    skipped = (f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} skipped for an overflow (an inf or "
+               f"a NaN in a gradient on some rank: no update on any rank, the scale halved)" if steps
+               else "no step overflowed")
+    return f"fp16 loss scaling: scale {v.get('loss_scale'):,.0f} after the last step; {skipped}"
+
+
 def faults_table(res) -> str:
     """Each injected fault (and each failure that stopped a launch): how it was found, how the
     run recovered, and what it cost (playground/faults.py; training.Restart)."""
@@ -136,6 +150,9 @@ def faults_table(res) -> str:
     for f in sorted(run.faults, key=lambda f: (f.step, f.rank)):
         if f.kind == "slow":
             rows.append([str(f), "a straggler: " + _straggler(res, f), "none needed", 0, "-", "-"])
+        elif f.kind == "nan" and f.step in (res.values[0].get("overflow_steps") or []):
+            rows.append([str(f), "the fp16 loss scaler's overflow check", "the step skipped on every rank, the loss "
+                         "scale halved", 0, "-", "-"])
         elif f.kind == "nan":  # (in an earlier launch, before a restart, the check found it just the same)
             found = f.step in skipped or (run.on_nan == "skip" and f.step <= res.start)
             rows.append([str(f), "NaN check before the optimizer step" if run.on_nan != "off" else "not checked",

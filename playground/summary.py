@@ -124,6 +124,8 @@ def train_json(res) -> dict:
         out["memory"].append({"rank": r, **m})
     out["communication"] = communication(res.ledger, steps)
     out["moe"] = [{str(k): v for k, v in st.items()} for st in res.moe_steps()] if run.model.n_experts else None
+    out["loss_scaling"] = {"scale": res.values[0].get("loss_scale"),
+                           "overflow_steps": res.values[0].get("overflow_steps", [])} if run.dtype == "float16" else None
     out["faults"] = {"injected": [str(f) for f in run.faults], "on_nan": run.on_nan,
                      "skipped_steps": res.values[0].get("skipped_steps", []),
                      "restarts": [{"fault": r.fault, "detected": r.detected, "failed_step": r.failed_step,

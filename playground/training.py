@@ -158,7 +158,7 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
         out_states = {"initial": _state(model), "initial_updates": model.steps_taken(), "steps": []}
     source = source or make_source(run.data, cfg.vocab_size, run.seed)
     out = {"losses": [], "step_times": [], "host_blocked": [], "sim_steps": [], "memory": None, "moe": [], "start": start,
-           "skipped_steps": []}
+           "skipped_steps": [], "overflow_steps": [], "loss_scale": _loss_scale(model)}
     faults = RankFaults(run.faults, world.rank)
     timing = world.timing if run.hardware else None  # the simulator's clock and compute model
     clock = timing.clock if timing else None
@@ -216,10 +216,14 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
                 grads, skipped, scale = model.pieces("grad"), _skipped(model), _loss_scale(model)
             if found:  # --on-nan skip: every rank alike
                 _skipped_step(out, found_step, found, world, bar)
+            overflows = _skipped(model)
             if found and lagged is None:
                 model.skip_step()
             else:
                 rank.update(found_inf)
+            if _skipped(model) > overflows:  # fp16: the loss scaler found an overflow and skipped the step
+                out["overflow_steps"].append(step + 1)
+            out["loss_scale"] = _loss_scale(model)
             if collect:
                 out_states["steps"].append({"grads": grads, "state": _state(model), "loss_scale": scale,
                                             "skipped": bool(found) or _skipped(model) > skipped,

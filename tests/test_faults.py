@@ -235,6 +235,23 @@ def test_the_report_tells_what_each_fault_cost(tmp_path):
     assert "the step skipped on every rank" in text
 
 
+@pytest.mark.parametrize("layout", [Layout(dp=2), Layout(dp=2, pp=2, microbatches=2)], ids=["dp2", "dp2-pp2"])
+def test_under_fp16_the_report_says_the_loss_scaler_skipped_a_poisoned_step(layout):
+    """fp16: a NaN in a gradient is the loss scaler's overflow (the NaN check reads the loss
+    alone): the step is skipped on every rank and the scale halved, and the report says so,
+    naming the scaler, not the NaN check, as what found it."""
+    from playground.report import train_summary
+    from playground.summary import train_json
+    res = train(_run(layout, steps=3, dtype="float16", faults=(Fault("nan", 2, layout.world - 1),)))
+    assert all(v["overflow_steps"] == [2] and v["loss_scale"] == 2.0 ** 15 for v in res.values)
+    text = train_summary(res)
+    assert "fp16 loss scaling: scale 32,768 after the last step; step 2 skipped for an overflow" in text
+    assert "the fp16 loss scaler's overflow check" in text and "the loss scale halved" in text
+    assert train_json(res)["loss_scaling"] == {"scale": 2.0 ** 15, "overflow_steps": [2]}
+    clean = train(_run(layout, steps=2, dtype="float16"))
+    assert "fp16 loss scaling: scale 65,536 after the last step; no step overflowed" in train_summary(clean)
+
+
 @pytest.mark.slow
 def test_the_command_line_tells_what_each_fault_cost(tmp_path):
     out = _cli("train", "--dp", "2", "--steps", "6", "--save", str(tmp_path / "c"), "--save-every", "2",
