@@ -86,7 +86,7 @@ def data_parallel(parts, stages, groups, run, device, everyone=None) -> tuple:
                                           label=name, overlap=run.grad_overlap,
                                           replicate=g.replicate, accumulate=layout.pp > 1,
                                           finish_at_step=layout.pp > 1, fused_master_step=run.fused_master_step,
-                                          loss_scaler=scaler, overflow_groups=everyone))
+                                          loss_scaler=scaler))
             elif g.group.size > 1 or g.scale != 1:  # (a group of one rank has nothing to average)
                 w.append(DistributedDataParallel(part, g.group, bucket_cap_mb=bucket_mb, label=name, params=params,
                                                  grad_scale=g.scale, finish_at_step=layout.pp > 1))
@@ -234,8 +234,8 @@ class ShardedOptimizer:
         overflow = None
         if self.scaler is not None:
             grads = [g for e in self.engines for _, g in e.local_grads()]
-            overflow = self.scaler.found_overflow(grads, self.everyone or [e.group for e in self.engines[:1]],
-                                                  label="zero.overflow", device=self.engines[0].units[0].flat.device)
+            overflow = self.scaler.found_overflow(grads, self.everyone or [self.engines[0].group], label="zero.overflow",
+                                                  device=self.engines[0].units[0].flat.device)
         for e in self.engines:
             e.step(found_inf, overflow)
         if overflow is not None:

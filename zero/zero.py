@@ -122,11 +122,12 @@ class ZeroDataParallel(nn.Module):
                  eps: float = 1e-8, weight_decay: float = 1e-2, compute_dtype=None, reduce_dtype=None, grad_dtype=None,
                  loss_scaler: DynamicLossScaler | None = None, label: str = "zero",
                  overlap: bool = True, replicate=None, accumulate: bool = False, finish_at_step: bool = False,
-                 fused_master_step: bool = True, overflow_groups=None):
+                 fused_master_step: bool = True):
         super().__init__()
-        # fp16: the groups whose ranks agree on an overflow (`DynamicLossScaler.found_overflow`):
-        # every rank holding part of the model; by default the ZeRO group
-        self.overflow_groups = overflow_groups or [group]
+        # fp16, an engine stepped alone: the ranks that agree on its overflow (under a layout
+        # the optimizer decides for all the rank's engines, over every rank of the model:
+        # playground/data_parallel.py, ShardedOptimizer)
+        self.overflow_groups = [group]
         self.finish_at_step = finish_at_step  # the reductions are waited by finish_grad_sync
         self.fused_master_step = fused_master_step  # compute copies at stages 0-2: AdamW in one pass (`step`)
         if stage not in (0, 1, 2, 3):
