@@ -8,7 +8,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DI
 OUT=${OUT:-/tmp/gpu_run}; LOGS=${LOGS:-/tmp/gpu_logs}; mkdir -p "$OUT" "$LOGS"
 run() {
   local name=$1 n=$2 t=$3; shift 3
-  timeout "$t" torchrun --nproc_per_node "$n" ${LAUNCH:--m playground} "$@" --backend torch --no-progress 2>&1 | grep -v "^W1" \
+  local quiet=--no-progress; [ "$1" = check ] && quiet=  # (a check shows no progress bar, and refuses the flag)
+  timeout "$t" torchrun --nproc_per_node "$n" ${LAUNCH:--m playground} "$@" --backend torch $quiet 2>&1 | grep -v "^W1" \
     > "$LOGS/$name.log"
   echo "== $name (exit ${PIPESTATUS[0]}): $(grep -E 'PASS|FAIL|throughput|measured peak|Error|error' "$LOGS/$name.log" | head -3 | tr '\n' ' ')"
   tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .
