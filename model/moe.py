@@ -397,7 +397,7 @@ def _ranked(probs, c) -> tuple:
     (E,) and whether each ranked assignment is within its expert's capacity. `probs`: the
     selection scores (T, E), the router's scores plus the balancing bias where there is one."""
     T, E, k = probs.shape[0], c.n_experts, c.top_k
-    top, expert = probs.topk(k, dim=-1)  # (T, k)
+    top, expert = top_k(probs, k)  # (T, k)
     e, p = expert.reshape(-1), top.reshape(-1)
     key = e * k + torch.arange(k, device=probs.device).repeat(T)  # expert and choice: one integer
     if p.dtype == torch.float32:  # one stable sort of (key, -p) packed in 64 bits: ties keep the position
@@ -411,6 +411,17 @@ def _ranked(probs, c) -> tuple:
     routed = _count(e, E)
     within = torch.arange(T * k, device=probs.device) - (torch.cumsum(routed, 0) - routed)[e[order]] < cap
     return top, expert, order, routed, within
+
+
+def top_k(probs, k: int) -> tuple:
+    """(values, indices) of each row's k largest entries, highest first, exact ties to the
+    lower index: a stable sort of the row, so that every device decides alike. torch.topk
+    breaks exact ties as its kernel happens to (CUDA's otherwise than the CPU's), and bf16
+    logits tie often (8 bits of mantissa): the check replays a GPU layout's decisions on the
+    CPU and must get the same experts from the same scores. (+0.0 makes -0 +0, which sort
+    equal.)"""
+    expert = torch.sort(-probs + 0.0, dim=-1, stable=True).indices[..., :k]
+    return probs.gather(-1, expert), expert
 
 
 def _ascending_bits(x):

@@ -261,6 +261,23 @@ def test_capacity_keeps_first_choices_then_the_most_probable():
     assert sorted(r.tokens[:2].tolist()) == [0, 2]  # token 1 (lowest probability for expert 0) dropped
 
 
+@pytest.mark.parametrize("E,k", [(8, 2), (64, 8), (6, 3)])
+def test_exact_ties_go_to_the_lower_expert_on_every_device(E, k):
+    """bf16 logits tie often; the decision must be a function of the scores alone (the check
+    replays a GPU layout's decisions on the CPU), so each token's experts are its k highest
+    scores with exact ties to the lower index, in order, as a stable sort ranks them.
+    torch.topk on the CPU breaks such ties otherwise in most rows, and CUDA's otherwise again."""
+    g = torch.Generator().manual_seed(E)
+    scores = torch.randint(-1, 3, (500, E), generator=g).float() / 4  # (with a bias scores go below 0)
+    scores = torch.where(torch.rand(500, E, generator=g) < 0.5, -scores, scores)  # -0 beside +0: a tie too
+    cfg = BASE.with_(n_experts=E, top_k=k, capacity_factor=1.0)
+    d = choose(scores, cfg)
+    for t in range(scores.shape[0]):
+        want = sorted(range(E), key=lambda e: (-scores[t, e].item(), e))[:k]
+        assert d.experts[t].tolist() == want, (t, scores[t].tolist())
+    assert choose(scores.clone(), cfg).same(d)
+
+
 @pytest.mark.parametrize("k,renormalize", [(1, None), (2, None), (3, None), (1, True), (2, False)])
 def test_gates_are_renormalised_for_k_above_one_and_raw_for_top_1(k, renormalize):
     """GShard's and Mixtral's k > 1: the k gates sum to one; Switch's k = 1: the raw
