@@ -25,9 +25,10 @@ else
 TRAIN=(--dtype bfloat16 --micro-batch-size 4 --steps 12)
 for i in 1 2; do
   for m in 1b-moe 1b-dsmoe; do
-    run "train_${m}_sort_$i" 1 300 train --model $m "${TRAIN[@]}" --json "$LOGS/train_${m}_sort_$i.json"
-    LAUNCH="benchmarks/moe_variant.py torch-topk --" run "train_${m}_topk_$i" 1 300 train --model $m "${TRAIN[@]}" \
-      --json "$LOGS/train_${m}_topk_$i.json"
+    # (named as benchmarks/fidelity.py's rows of these layouts, which these then replace; old_: not compared)
+    run "${m}_1gpu_$i" 1 300 train --model $m "${TRAIN[@]}" --json "$LOGS/${m}_1gpu_$i.json"
+    LAUNCH="benchmarks/moe_variant.py torch-topk --" run "old_topk_${m}_$i" 1 300 train --model $m "${TRAIN[@]}" \
+      --json "$LOGS/old_topk_${m}_$i.json"
   done
 done
 fi
