@@ -41,7 +41,10 @@ one-GPU rows measured the code before, whose buckets each cost an NCCL call the 
 longer price) and run64_bf16_default (one H200, after bf16 without ZeRO became compute copies by
 default: 1b-moe as typed, `typed`, graphed, `graphs`, and its dense model, `dense`, three
 alternated rounds each, taking the place of run55's `graphs`; its `autocast` rows ran
-`--autocast`, which no plan prices, and are left out),
+`--autocast`, which no plan prices, and are left out) and run68_moe_ties (one H200, after each token's
+experts became a stable sort instead of torch.topk: 1b-moe and 1b-dsmoe, three alternated
+rounds each, taking the place of run42's `1b-moe_1gpu` and `1b-dsmoe_1gpu`; its torch.topk
+runs, `old_topk_`, are not compared),
 plans the same model and layout on that profile (simulator/profiles/h200.json)
 and prints, per layout: the measured median step (steps after the first; a layout run again
 in the same call, named `_2`, `_3` after it, the median of its runs' medians: a host-bound
@@ -80,7 +83,8 @@ MEASURED = [os.path.join(GPU, name) for name in ("run13_kernels", "run14_side_by
                                                   "run27_one_gpu", "run28_before_after", "run30_expandable",
                                                   "run34_moe_fidelity", "run40_moe_fidelity", "run42_host_medians",
                                                   "run46_master_adamw", "run48_moe_graphs_rounds",
-                                                  "run49_grad_dtype", "run55_one_gpu_rows", "run64_bf16_default")]
+                                                  "run49_grad_dtype", "run55_one_gpu_rows", "run64_bf16_default",
+                                                  "run68_moe_ties")]
 # runs of code that has changed since: a plan prices the code as it is, so these are not compared
 SUPERSEDED = {
     "1b_zero3": "ZeRO-3 then kept a bf16 parameter shard and its gradient shards through the forward (4Ψ/N more)",
