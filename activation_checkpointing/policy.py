@@ -10,9 +10,9 @@ matmuls and of the attention kernel, recompute the element-wise and normalisatio
 op-level policy ("selective op", torchtitan/distributed/activation_checkpoint.py) also
 recomputes every second matmul of a block (counted in each checkpointed call, apart in the
 forward and in the recomputation), less memory for more recomputation: `recompute_every`
-2, the mode "selective-op". The router's top-k (a stable sort, `model.moe.top_k`; torch.topk
-on older paths) and the routing's sorts are kept too, so that recomputation routes every
-token as the first forward did without routing it again. Communication is recomputed, as in
+2, the mode "selective-op". The routing's sorts (the router's top-k is one:
+`model.moe.top_k`) are kept too, so that recomputation routes every token as the first
+forward did without sorting again. Communication is recomputed, as in
 Megatron-LM's full recompute: a block's collectives run again in its backward.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ KEEP = _packets("mm", "addmm", "bmm", "baddbmm", "_scaled_mm",
                 "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
                 "_flash_attention_forward", "_efficient_attention_forward",
-                "topk", "sort")
+                "sort")
 
 
 class SelectivePolicy:
