@@ -45,27 +45,16 @@ def storage_bytes(tensors) -> int:
 
 
 class _Saved:
-    """A tensor autograd saved, counted once per storage: several ops saving the same
-    tensor (or views of one storage) hold its bytes once, until the last of them is freed."""
-    __slots__ = ("tensor", "key", "tracker")
+    """A handle on a held tensor (`MemoryTracker.hold`): its storage counts while the handle
+    lives (simulator/memory.py, `_join`)."""
+    __slots__ = ("tensor", "key", "tracker", "category")
 
-    def __init__(self, tensor, key, nbytes, tracker):
-        self.tensor, self.key, self.tracker = tensor, key, tracker
-        held = tracker._held
-        if key in held:
-            held[key][1] += 1
-            return
-        held[key] = [nbytes, 1]
-        tracker.activations += nbytes
-        tracker.peak_activations = max(tracker.peak_activations, tracker.activations)
-        tracker._transient_changed()
+    def __init__(self, tensor, key, nbytes, tracker, category="activations"):
+        self.tensor, self.key, self.tracker, self.category = tensor, key, tracker, category
+        tracker._join(key, nbytes, category)
 
     def __del__(self):
-        entry = self.tracker._held[self.key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self.tracker._held[self.key]
-            self.tracker.activations -= entry[0]
+        self.tracker._leave(self.key, self.category)
 
 
 class MemoryTracker:
@@ -84,28 +73,94 @@ class MemoryTracker:
         self.at_peak = (0, 0, 0, 0)  # what that peak held: (activations, buffers, temporaries, step gradients)
         self._exclude: set = set()
         self._temporary: dict = {}  # storage id -> (bytes, the finalizer that stops counting a temporary)
-        self._held: dict = {}  # storage id -> [bytes, how many saved tensors hold it]
+        self._held: dict = {}  # storage id -> [bytes, {category: holders}, the category it counts in]
+        self._watched: set = set()  # storage ids counted until the storage is freed (`watch`)
         self.tracking = False  # inside track_activations
 
-    def hold(self, t: torch.Tensor):
-        """A handle that counts `t`'s storage as activations for as long as it lives (None for
-        a parameter's). Autograd's saved tensors get one each; activation checkpointing
-        gives one to each output its selective policy keeps outside autograd."""
+    def hold(self, t: torch.Tensor, category: str = "activations"):
+        """A handle that counts `t`'s storage in `category` ("activations", or "comm_buffers":
+        a pipeline's received gradients and its sends' tensors) for as long as it lives (None
+        for a parameter's). Autograd's saved tensors get one each; activation checkpointing
+        gives one to each output its selective policy keeps outside autograd; the pipeline
+        executor to the tensors it keeps between its actions (pipeline/executor.py)."""
         s = t.untyped_storage()
         if s._cdata in self._exclude:
             return None
+        self.claim(t)  # (a tensor made in backward and kept on: counted here, not as a temporary too)
         # detached: holding the tensor itself would tie a saved output to its own grad_fn, a
         # reference cycle that keeps a retained graph alive until the garbage collector runs
-        return _Saved(t.detach(), s._cdata, s.nbytes(), self)
+        return _Saved(t.detach(), s._cdata, s.nbytes(), self, category)
+
+    def watch(self, t: torch.Tensor, category: str = "activations") -> None:
+        """Count `t`'s storage in `category` until the storage itself is freed, keeping nothing
+        alive: what a recomputation makes, held by torch.utils.checkpoint outside the
+        saved-tensor hooks (activation_checkpointing/checkpoint.py)."""
+        s = t.untyped_storage()
+        if s._cdata in self._exclude or s.nbytes() == 0:
+            return
+        self.claim(t)
+        key = s._cdata
+        if key in self._watched:
+            return
+        self._watched.add(key)
+        self._join(key, s.nbytes(), category)
+        weakref.finalize(s, self._unwatch, key, category)
+
+    def _unwatch(self, key, category: str) -> None:
+        self._watched.discard(key)
+        self._leave(key, category)
+
+    def _join(self, key, nbytes: int, category: str) -> None:
+        """One more holder of storage `key`: several ops saving the same tensor (or views of
+        one storage), a pipeline holding a stage's output that autograd saved too, hold its
+        bytes once, until the last of them lets go. The bytes count in the category of a
+        holder still holding them ("activations" or "comm_buffers"): a stage's output counts
+        as an activation until its backward, then as a buffer while its send still holds it."""
+        held = self._held
+        if key in held:
+            counts = held[key][1]
+            counts[category] = counts.get(category, 0) + 1
+            return
+        held[key] = [nbytes, {category: 1}, category]
+        self._add(category, nbytes)
+
+    def _leave(self, key, category: str) -> None:
+        entry = self._held[key]
+        nbytes, counts, counted_in = entry
+        counts[category] -= 1
+        if counts[category] == 0:
+            del counts[category]
+        if not counts:
+            del self._held[key]
+            self._add(counted_in, -nbytes)
+        elif counted_in not in counts:  # (its bytes move to a category still holding them)
+            entry[2] = next(iter(counts))
+            self._add(counted_in, -nbytes)
+            self._add(entry[2], nbytes)
+
+    def _add(self, category: str, nbytes: int) -> None:
+        """Count nbytes (< 0: stop counting them) of held storages in `category`."""
+        if category == "activations":
+            self.activations += nbytes
+            self.peak_activations = max(self.peak_activations, self.activations)
+            self._transient_changed()
+        else:
+            self.buffer(nbytes)
+
+    @property
+    def transient(self) -> int:
+        """Bytes held now beyond the model states: activations, buffers, temporaries, step gradients."""
+        return self.activations + self.comm_buffers + self.temporaries + self.step_gradients
 
     def _transient_changed(self) -> None:
-        now = self.activations + self.comm_buffers + self.temporaries + self.step_gradients
+        now = self.transient
         if now > self.peak_transient:
             self.peak_transient = now
             self.at_peak = (self.activations, self.comm_buffers, self.temporaries, self.step_gradients)
 
     def temporary(self, t: torch.Tensor) -> None:
-        """Count `t`'s storage (made by an op in backward) until `t` is freed."""
+        """Count `t`'s storage (made by an op in backward) until the storage is freed (not
+        the tensor: autograd passes a gradient on in tensors of its own, and a view keeps it)."""
         nbytes = t.untyped_storage().nbytes()
         if nbytes == 0:
             return
@@ -113,7 +168,7 @@ class MemoryTracker:
         self.peak_temporaries = max(self.peak_temporaries, self.temporaries)
         self._transient_changed()
         sid = storage_id(t)
-        self._temporary[sid] = (nbytes, weakref.finalize(t, self._temporary_freed, sid, nbytes))
+        self._temporary[sid] = (nbytes, weakref.finalize(t.untyped_storage(), self._temporary_freed, sid, nbytes))
 
     def _temporary_freed(self, sid: int, nbytes: int) -> None:
         self.temporaries -= nbytes
@@ -145,8 +200,12 @@ class MemoryTracker:
     @contextlib.contextmanager
     def track_activations(self, exclude=()):
         """Count the tensors autograd saves inside this block (this thread only); the
-        storages of `exclude` (the parameters) are not activations."""
+        storages of `exclude` (the parameters) are not activations, and a gradient autograd
+        leaves in one of them (`.grad`) is a model state, not a temporary."""
+        exclude = list(exclude)
         self._exclude = {storage_id(t) for t in exclude}
+        hooks = [p.register_post_accumulate_grad_hook(self._grad_accumulated)
+                 for p in exclude if isinstance(p, torch.Tensor) and p.is_leaf and p.requires_grad]
 
         def pack(t):
             handle = self.hold(t)
@@ -161,6 +220,12 @@ class MemoryTracker:
                 yield self
         finally:
             self.tracking = False
+            for h in hooks:
+                h.remove()
+
+    def _grad_accumulated(self, p) -> None:
+        if p.grad is not None:
+            self.claim(p.grad)
 
     @staticmethod
     def measure(tensors: dict) -> dict:
@@ -212,8 +277,9 @@ def _tensors(x):
 
 
 class _BackwardTemporaries(TorchDispatchMode):
-    """During backward (an autograd node running, gradients off: not a recomputation), every
-    op's output on a storage none of its inputs has is a temporary of the tracker's. Inside
+    """During backward (an autograd node running), every op's output on a storage none of its
+    inputs has is a temporary of the tracker's, or in a recomputation (gradients on) an
+    activation while its storage lives (`_count`). Inside
     a fused region (`fused`: ops a GPU runs as one kernel) the intermediate tensors never
     exist on the GPU: only what the region made and still holds at its end (its outputs)
     counts, from then on."""
@@ -230,16 +296,25 @@ class _BackwardTemporaries(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if torch.is_grad_enabled() or func.is_view or torch._C._current_autograd_node() is None:
+        if func.is_view or torch._C._current_autograd_node() is None:
             return out
         inputs = {storage_id(t) for t in _tensors((args, tuple((kwargs or {}).values())))}
         for t in _tensors(out):
             if storage_id(t) not in inputs:
                 if self._made is None:
-                    self.tracker.temporary(t)
+                    self._count(t)
                 else:
                     self._made.append(weakref.ref(t))
         return out
+
+    def _count(self, t: torch.Tensor) -> None:
+        """A tensor an op made in backward: a temporary; in a recomputation (gradients on:
+        a checkpointed block's forward run again), an activation for as long as its storage
+        lives, since torch.utils.checkpoint keeps what the block saves outside the hooks."""
+        if torch.is_grad_enabled():
+            self.tracker.watch(t)
+        else:
+            self.tracker.temporary(t)
 
     @contextlib.contextmanager
     def fused(self, io_bytes: int = 0, name: str = "fused", **_):
@@ -258,4 +333,4 @@ class _BackwardTemporaries(TorchDispatchMode):
                 t = ref()
                 if t is not None and storage_id(t) not in seen:
                     seen.add(storage_id(t))
-                    self.tracker.temporary(t)
+                    self._count(t)

@@ -1,0 +1,93 @@
+"""The bytes a rank's program holds, counted from the storages themselves: an independent
+reference for the memory tracker (memory.py).
+
+The tracker counts by category, from what it is told: autograd's saved tensors, backward's
+temporaries, the buffers a strategy registers, the tensors the pipeline executor keeps. A
+tensor held by a path nobody told it of is missed, and a plan is then optimistic by its
+bytes. `LiveBytes` is told nothing: as a dispatch mode on the rank's thread it sees every
+storage an op makes (factories included), counts its bytes once, and stops counting when
+the storage dies (a weak reference to the storage object: torch keeps one Python object
+per live storage, so it dies with the storage, not with a view of it). So it counts what
+`torch.cuda.memory_allocated` counts on a GPU, less the allocator's rounding: the bytes of
+every tensor alive now, whoever holds it; `peak` is the most at once since `reset_peak`.
+Except inside a fused region (model/regions.py, `fused_kernel`: ops a GPU runs as one
+kernel, which the CPU and the meta device run op by op), where only what the region leaves
+counts: its intermediate tensors never exist on a GPU.
+
+Not seen: storages made outside dispatch (`torch.UntypedStorage(n)`, `torch.from_numpy`) and
+a storage's resize (ZeRO-3 frees and refills its parameters that way: stage 3 is out of its
+reach). What is compared (playground/memory_audit.py) is the peak of the bytes made within a
+step, which neither touches below stage 3.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages made under this mode (on this thread) and alive now."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0  # bytes alive now
+        self.peak = 0  # the most alive at once since reset_peak
+        self._sizes: dict = {}  # storage id -> bytes, for the storages alive now
+        self._made = None  # inside a fused region: weak references to what its ops made
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):
+            if self._made is None:
+                self._count(t)
+            else:
+                self._made.append(weakref.ref(t))
+        return out
+
+    def _count(self, t: torch.Tensor) -> None:
+        s = t.untyped_storage()
+        sid = s._cdata
+        if sid in self._sizes:
+            return
+        n = s.nbytes()
+        self._sizes[sid] = n
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(s, self._freed, sid, n)
+
+    @contextlib.contextmanager
+    def fused(self, io_bytes: int = 0, name: str = "fused", **_):
+        """The ops inside as the one kernel a GPU runs for them (model/regions.py,
+        `fused_kernel`): their intermediate tensors never exist there, so only what the
+        region made and still holds at its end counts, from then on (as the tracker does)."""
+        if self._made is not None:  # nested: part of the outer region
+            yield self
+            return
+        self._made = []
+        try:
+            yield self
+        finally:
+            made, self._made = self._made, None
+            for ref in made:
+                t = ref()
+                if t is not None:
+                    self._count(t)
+
+    def _freed(self, sid: int, nbytes: int) -> None:
+        self.live -= nbytes
+        if self._sizes.get(sid) == nbytes:
+            del self._sizes[sid]
