@@ -2,8 +2,11 @@
 (`schedules.py`) for one training step.
 
 - `RECV_F` receives the chunk's input activations from the previous stage's rank
-  (blocking), `SEND_F` sends the output to the next stage's (asynchronous: the send is
-  waited at the end of the step, so no rank blocks on a peer that is busy computing).
+  (blocking), `SEND_F` sends the output to the next stage's (asynchronous, so no rank
+  blocks on a peer that is busy computing). The send is waited when the gradient of that
+  output comes back (`RECV_B`), by then complete, so the output is freed after its
+  backward; a gradient's send (`SEND_B`) is waited at the end of the step, since nothing
+  the rank receives earlier says it arrived.
 - `F` runs the chunk; on the last stage it returns the microbatch's loss, scaled by 1/m
   so the gradients of the step are those of the mean over the global batch; its backward
   starts from that loss times the fp16 loss scale (the chunk's wrapper's `scale_loss`:
@@ -33,7 +36,9 @@ syncing W then ends their reduction too (`synced()`).
 microbatch of `tokens` (with sequence parallelism, the rank's slice of the sequence).
 
 Where the rank's activations are tracked, the inputs the linear layers keep for W in split
-backward count as activations until W (weight_grad_store.py).
+backward count as activations until W (weight_grad_store.py), and what the executor keeps
+between actions counts too (`_Kept`): a stage's output until its backward, a received
+gradient until its backward, a sent tensor until its send is waited.
 
 `schedule(m)` (optional) gives the rank's actions for a step of m microbatches: a step
 may then run another number of microbatches than `actions` holds (planning's first step
@@ -49,7 +54,7 @@ import contextlib
 
 import torch
 
-from model.regions import pipeline_action
+from model.regions import activation_tracker, pipeline_action
 
 from .weight_grad_store import WeightGradStore
 
@@ -105,17 +110,21 @@ class PipelineExecutor:
         last_stage = self.p * self.v - 1
         x_in, out, g_out, g_in = {}, {}, {}, {}
         w_pending = {}  # split backward: the weight gradients I deferred, per (microbatch, chunk)
-        sends = []
+        sent_f = {}  # (microbatch, chunk) -> its output's send, until that output's gradient comes back
+        sends = []  # the gradients' sends, waited at the end of the step
+        keep = _Kept(activation_tracker())
         total = torch.zeros((), dtype=torch.float64, device=inputs[0].device)
         prev, nxt = (self.rank - 1) % self.p, (self.rank + 1) % self.p
+        x = y = g = None
         for k, a in enumerate(actions):
             key = (a.microbatch, a.chunk)
             s = self._stage(a.chunk)
             if a.kind == "RECV_F":
                 shape = self.hidden_shape(inputs[a.microbatch])
-                buf = torch.empty(shape, dtype=self.hidden_dtype, device=inputs[0].device)
-                self.group.recv(buf, src=prev, label="pp.activations")
-                x_in[key] = buf.requires_grad_()
+                x = torch.empty(shape, dtype=self.hidden_dtype, device=inputs[0].device)
+                self.group.recv(x, src=prev, label="pp.activations")
+                x_in[key] = x.requires_grad_()
+                keep(("x_in", key), x, "activations")
             elif a.kind == "F":
                 x = inputs[a.microbatch] if s == 0 else x_in[key]
                 with self._compute("F"):
@@ -125,13 +134,22 @@ class PipelineExecutor:
                     total += y.detach().double()
                     y = self.syncs[a.chunk].scale_loss(y) if self.syncs is not None else y
                 out[key] = y
+                keep(("out", key), y, "activations")
             elif a.kind == "SEND_F":
                 # (a send takes a dense tensor: a sequence-parallel stage's output is a strided view)
-                sends.append(self.group.isend(out[key].detach().contiguous(), dst=nxt, label="pp.activations"))
+                y = out[key].detach().contiguous()
+                sent_f[key] = self.group.isend(y, dst=nxt, label="pp.activations")
+                keep(("send", key), y, "comm_buffers")
             elif a.kind == "RECV_B":
                 g = torch.empty_like(out[key], memory_format=torch.contiguous_format)
                 self.group.recv(g, src=nxt, label="pp.gradients")
                 g_out[key] = g
+                keep(("g_out", key), g, "comm_buffers")
+                # the next stage ran this output forward and backward: its send has completed,
+                # so waiting costs nothing and lets the output go (Megatron-LM frees a sent
+                # output likewise); else every output of the step would live until its end
+                sent_f.pop(key).wait()
+                keep.drop(("send", key))
             elif a.kind in ("B", "W"):
                 sync = self.syncs is None or sync_at[a.chunk] == k
                 with self._compute(a.kind):
@@ -141,28 +159,59 @@ class PipelineExecutor:
                     else:  # (a chunk of the embedding alone defers nothing: its W applies nothing)
                         with self._sync(a.chunk, sync):
                             WeightGradStore.apply(w_pending.pop(key))
+                keep.drop(("out", key), ("g_out", key))
                 if a.kind == "B" and s > 0:
                     g_in[key] = x_in[key].grad
+                    keep(("g_in", key), g_in[key], "comm_buffers")
                 if a.kind == "W" or s == 0:
                     x_in.pop(key, None)
+                    keep.drop(("x_in", key))
             elif a.kind == "I":
                 with self._compute("I"), self._sync(a.chunk, False), self.weight_grads.collect() as deferred:
                     torch.autograd.backward(out.pop(key), g_out.pop(key, None))
                 w_pending[key] = deferred
+                del deferred  # (W frees what it holds)
+                keep.drop(("out", key), ("g_out", key))
                 if s > 0:
                     g_in[key] = x_in[key].grad
+                    keep(("g_in", key), g_in[key], "comm_buffers")
             elif a.kind == "SEND_B":
-                sends.append(self.group.isend(g_in.pop(key).contiguous(), dst=prev, label="pp.gradients"))
+                g = g_in.pop(key).contiguous()
+                sends.append(self.group.isend(g, dst=prev, label="pp.gradients"))
+                keep(("send_b", key), g, "comm_buffers")  # (until the end of the step: nothing here says it arrived)
+                keep.drop(("g_in", key))
                 if key not in out:
                     x_in.pop(key, None)
+                    keep.drop(("x_in", key))
             else:
                 raise ValueError(f"unknown pipeline action {a}")
+            x = y = g = None  # (a tensor an action is done with must not live on in this frame)
         if self.syncs is not None:  # the reductions each chunk's syncing backward started
             for syncs in self.syncs:
                 syncs.finish_grad_sync()
         for w in sends:
             w.wait()
+        keep.drop(*list(keep.handles))
         return total
+
+
+class _Kept:
+    """The memory tracker's handles (simulator/memory.py, `MemoryTracker.hold`) on the tensors
+    the executor keeps between actions, outside autograd: a stage's output from F to its
+    backward, a received output gradient until its backward, a sent tensor until its send
+    is waited (NCCL's Work holds it until then). None of them is saved for backward, so
+    without these the plan would not count them (simulator/live_bytes.py finds them)."""
+
+    def __init__(self, tracker):
+        self.tracker, self.handles = tracker, {}
+
+    def __call__(self, name, t, category: str) -> None:
+        if self.tracker is not None:
+            self.handles[name] = self.tracker.hold(t, category)
+
+    def drop(self, *names) -> None:
+        for name in names:
+            self.handles.pop(name, None)
 
 
 def _last_backward(actions: list) -> dict:

@@ -190,9 +190,9 @@ def test_deferred_weight_gradients_equal_one_backward(monkeypatch):
 
 
 def test_the_inputs_kept_for_w_count_as_activations_until_w():
-    """Autograd lets go of a linear layer's input after I, the store keeps it for W: with a
-    memory tracker on (its activations tracked) the store counts each distinct input storage
-    until W has run."""
+    """Autograd lets go of a linear layer's input and output gradient after I, the store keeps
+    them for W: with a memory tracker on (its activations tracked) the store counts each
+    distinct storage of them until W has run, and W frees them (the list is emptied)."""
     import torch
     from model.gpt import GPT
     from pipeline.weight_grad_store import WeightGradStore
@@ -209,10 +209,11 @@ def test_the_inputs_kept_for_w_count_as_activations_until_w():
         with store.collect() as deferred:
             loss.backward()
         del loss
-        kept = storage_bytes(x_ for x_, _, _, _ in deferred)
-        assert kept > 0 and memory.activations == kept
+        kept = storage_bytes(t for x_, g, _, _ in deferred for t in (x_, g))
+        assert kept > 0 and memory.activations == kept and memory.temporaries == 0
+        assert all(x_.grad_fn is None for x_, _, _, _ in deferred)  # (no graph kept alive through them)
         assert WeightGradStore.apply(deferred)
-        assert memory.activations == 0
+        assert memory.activations == 0 and len(deferred) == 0
 
 
 @pytest.mark.sabotage
