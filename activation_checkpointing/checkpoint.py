@@ -29,9 +29,9 @@ backward, cannot sit inside torch.utils.checkpoint's, model/compiled.py).
 Memory: autograd's saved-tensor hooks (the simulator's `MemoryTracker`) see what the
 checkpoint keeps of the block's inputs, but not the outputs the selective policy keeps
 (they are held by the checkpoint, outside autograd), so those are counted here, from
-the forward until the block's recomputation. What is not counted: the activations of the
-one block being recomputed during its own backward (held by the checkpoint, outside the
-hooks).
+the forward until the block's backward has freed them. The activations of the one block
+being recomputed, held by the checkpoint outside the hooks too, the tracker counts as the
+recomputation makes them, until they are freed (`MemoryTracker.watch`).
 """
 from __future__ import annotations
 
@@ -82,7 +82,9 @@ class _Region:
         if not self.ran:
             self.ran = True
             return self.body(*args)
-        self.kept.clear()  # recomputation takes the kept outputs back
+        for handle in self.kept:  # recomputation takes the kept outputs back: they count
+            handle.tracker.watch(handle.tensor)  # until the block's backward frees them
+        self.kept.clear()
         with _recomputing(self.modules), _replaying(self.rng):
             return self.body(*args)
 
