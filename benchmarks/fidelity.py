@@ -60,6 +60,12 @@ check's read of its flags) against
 planned (the floors of the ops and calls it issued: `issuing`): where they agree and
 the step is still off, the device side is. Writes JSON.
 
+The pipeline rows (run13, run14) measured the executor before it freed each sent output at
+its gradient's return and before split backward's W freed its inputs: their peaks hold what
+that code kept (per rank: benchmarks/memory_audit.py), and the peak compared here is the
+largest over the ranks, which those changes move little (the ZB-H1 first stage they move by
+about 0.9 GiB is not the largest).
+
 The measured runs without ZeRO use `--bf16-copies` (bf16 compute copies with fp32 master
 weights), the mixed precision a plan prices; with ZeRO that is ZeRO's own.
 """
