@@ -5,8 +5,8 @@
   (blocking), `SEND_F` sends the output to the next stage's (asynchronous, so no rank
   blocks on a peer that is busy computing). The send is waited when the gradient of that
   output comes back (`RECV_B`), by then complete, so the output is freed after its
-  backward; a gradient's send (`SEND_B`) is waited at the end of the step, since nothing
-  the rank receives earlier says it arrived.
+  backward; a gradient's send (`SEND_B`) is waited at the first input received that the
+  previous stage sent after receiving it (`gradient_send_waits`), else at the end of the step.
 - `F` runs the chunk; on the last stage it returns the microbatch's loss, scaled by 1/m
   so the gradients of the step are those of the mean over the global batch; its backward
   starts from that loss times the fp16 loss scale (the chunk's wrapper's `scale_loss`:
@@ -60,12 +60,15 @@ from .weight_grad_store import WeightGradStore
 
 
 class PipelineExecutor:
-    def __init__(self, chunks: list, group, actions: list, hidden_shape, virtual_stages: int = 1, syncs=None,
+    def __init__(self, chunks: list, group, every: list, hidden_shape, virtual_stages: int = 1, syncs=None,
                  hidden_dtype=torch.float32, schedule=None):
+        """`every`: every rank's actions (`schedules.build_schedule`), this rank's run; `schedule(m)`
+        gives them for a step of m microbatches."""
+        self.p, self.rank = group.size, group.rank
+        actions = every[self.rank]
         self.chunks, self.group, self.actions, self.v = chunks, group, actions, virtual_stages
         self.schedule = schedule
         self.m = 1 + max(a.microbatch for a in actions)
-        self.p, self.rank = group.size, group.rank
         self.hidden_shape = hidden_shape
         self.syncs = syncs
         self.hidden_dtype = hidden_dtype
@@ -75,15 +78,18 @@ class PipelineExecutor:
             for c in chunks:
                 self.weight_grads.install(c)
         self.sync_at = _last_backward(actions)
+        self.gradient_waits = gradient_send_waits(every, self.rank, self.p)
 
     def _plan(self, m: int):
-        """The actions of a step of `m` microbatches and each chunk's syncing backward."""
+        """The actions of a step of `m` microbatches, each chunk's syncing backward, and where
+        each gradient's send is waited."""
         if m == self.m:
-            return self.actions, self.sync_at
+            return self.actions, self.sync_at, self.gradient_waits
         if self.schedule is None:
             raise ValueError(f"this pipeline's schedule runs {self.m} microbatches per step, not {m}")
-        actions = self.schedule(m)
-        return actions, _last_backward(actions)
+        every = self.schedule(m)
+        actions = every[self.rank]
+        return actions, _last_backward(actions), gradient_send_waits(every, self.rank, self.p)
 
     def _sync(self, chunk: int, sync: bool):
         """Data parallelism reduces the gradients in this backward call only when `sync` (a
@@ -106,12 +112,12 @@ class PipelineExecutor:
         """Run the step on microbatches `inputs` (token ids; targets for the last stage);
         returns the sum of the microbatch losses / m on the last stage's rank, else 0."""
         m = len(inputs)
-        actions, sync_at = self._plan(m)
+        actions, sync_at, gradient_waits = self._plan(m)
         last_stage = self.p * self.v - 1
         x_in, out, g_out, g_in = {}, {}, {}, {}
         w_pending = {}  # split backward: the weight gradients I deferred, per (microbatch, chunk)
         sent_f = {}  # (microbatch, chunk) -> its output's send, until that output's gradient comes back
-        sends = []  # the gradients' sends, waited at the end of the step
+        sent_b = {}  # (microbatch, chunk) -> its input gradient's send, until `gradient_waits` says it arrived
         keep = _Kept(activation_tracker())
         total = torch.zeros((), dtype=torch.float64, device=inputs[0].device)
         prev, nxt = (self.rank - 1) % self.p, (self.rank + 1) % self.p
@@ -125,6 +131,9 @@ class PipelineExecutor:
                 self.group.recv(x, src=prev, label="pp.activations")
                 x_in[key] = x.requires_grad_()
                 keep(("x_in", key), x, "activations")
+                for sent in gradient_waits.get(k, ()):  # (see gradient_send_waits)
+                    sent_b.pop(sent).wait()
+                    keep.drop(("send_b", sent))
             elif a.kind == "F":
                 x = inputs[a.microbatch] if s == 0 else x_in[key]
                 with self._compute("F"):
@@ -177,8 +186,8 @@ class PipelineExecutor:
                     keep(("g_in", key), g_in[key], "comm_buffers")
             elif a.kind == "SEND_B":
                 g = g_in.pop(key).contiguous()
-                sends.append(self.group.isend(g, dst=prev, label="pp.gradients"))
-                keep(("send_b", key), g, "comm_buffers")  # (until the end of the step: nothing here says it arrived)
+                sent_b[key] = self.group.isend(g, dst=prev, label="pp.gradients")
+                keep(("send_b", key), g, "comm_buffers")
                 keep.drop(("g_in", key))
                 if key not in out:
                     x_in.pop(key, None)
@@ -189,7 +198,7 @@ class PipelineExecutor:
         if self.syncs is not None:  # the reductions each chunk's syncing backward started
             for syncs in self.syncs:
                 syncs.finish_grad_sync()
-        for w in sends:
+        for w in sent_b.values():  # (those no later receive proved arrived)
             w.wait()
         keep.drop(*list(keep.handles))
         return total
@@ -212,6 +221,38 @@ class _Kept:
     def drop(self, *names) -> None:
         for name in names:
             self.handles.pop(name, None)
+
+
+def gradient_send_waits(every: list, rank: int, p: int) -> dict:
+    """{index of a RECV_F action of `rank`: [(microbatch, chunk) of the SEND_B actions to wait
+    there]}: a gradient sent back to the previous stage's rank is waited at the first input
+    received from that rank that its sender sent after receiving the gradient. That input
+    proves the gradient arrived: on a GPU the sender's send ran after its receive of the
+    gradient had completed (its compute stream waited for it, the send waits for its compute
+    stream), so the wait costs nothing; in the simulator its end is already past. A gradient
+    no later input proves arrived is waited at the end of the step. Without this a stage
+    would keep every gradient it sent until the step ends: m of them (Megatron-LM waits
+    each send at once, its pipelines blocking on both sides).
+
+    Stage s = c·p + r (rank r, chunk c) receives from and sends back to stage s − 1: rank
+    r − 1's chunk c, or for r = 0 rank p − 1's chunk c − 1."""
+    mine, theirs = every[rank], every[(rank - 1) % p]
+
+    def theirs_chunk(c):
+        return c if rank > 0 else c - 1
+
+    recv_b = {(a.microbatch, a.chunk): i for i, a in enumerate(theirs) if a.kind == "RECV_B"}
+    send_f = {(a.microbatch, a.chunk): i for i, a in enumerate(theirs) if a.kind == "SEND_F"}
+    received = [(k, send_f[(a.microbatch, theirs_chunk(a.chunk))]) for k, a in enumerate(mine) if a.kind == "RECV_F"]
+    waits: dict = {}
+    for k, a in enumerate(mine):
+        if a.kind != "SEND_B":
+            continue
+        arrived = recv_b[(a.microbatch, theirs_chunk(a.chunk))]
+        at = next((j for j, sent in received if j > k and sent > arrived), None)
+        if at is not None:
+            waits.setdefault(at, []).append((a.microbatch, a.chunk))
+    return waits
 
 
 def _last_backward(actions: list) -> dict:

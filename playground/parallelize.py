@@ -256,7 +256,7 @@ def parallelize(model, mesh, run, device, state_dict=None) -> ParallelModel:
         def hidden_shape(tokens):
             return tokens.shape[0], tokens.shape[1] // split, cfg.d_model
         def schedule(m):
-            return build_schedule(layout.schedule, layout.pp, m, layout.virtual_stages)[pp.rank]
+            return build_schedule(layout.schedule, layout.pp, m, layout.virtual_stages)
         executor = PipelineExecutor(parts, pp, schedule(layout.microbatches), hidden_shape=hidden_shape,
                                     virtual_stages=layout.virtual_stages, syncs=syncs,
                                     hidden_dtype=hidden_dtype, schedule=schedule)

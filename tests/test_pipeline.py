@@ -225,3 +225,71 @@ def test_the_check_catches_a_lost_weight_gradient(monkeypatch):
     monkeypatch.setattr(WeightGradStore, "apply", staticmethod(lambda entries: apply(entries[:-1])))
     rep = check(_run(2, 4, "zb1"))
     assert not rep.passed
+
+
+def _eager_gradient_waits(every, rank, p):
+    """Each gradient's send waited at the rank's next receive of an input, proof or not."""
+    mine, out = every[rank], {}
+    for k, a in enumerate(mine):
+        if a.kind == "SEND_B":
+            at = next((j for j in range(k + 1, len(mine)) if mine[j].kind == "RECV_F"), None)
+            if at is not None:
+                out.setdefault(at, []).append((a.microbatch, a.chunk))
+    return out
+
+
+@pytest.mark.parametrize("name,p,m,v", [("1f1b", 2, 8, 1), ("1f1b", 4, 8, 1), ("zb1", 4, 8, 1),
+                                        ("interleaved", 4, 8, 2), ("gpipe", 3, 4, 1)])
+def test_a_gradient_send_is_waited_only_where_a_received_input_proves_it_arrived(name, p, m, v):
+    """Where `gradient_send_waits` waits a SEND_B (at a RECV_F of this rank), the previous
+    stage's rank sent that input after it had received the gradient; in 1F1B most are
+    released before the step ends."""
+    from pipeline.executor import gradient_send_waits
+    every = build_schedule(name, p, m, v)
+    for r in range(p):
+        mine, theirs = every[r], every[(r - 1) % p]
+        waits = gradient_send_waits(every, r, p)
+        for at, keys in waits.items():
+            got = mine[at]
+            assert got.kind == "RECV_F"
+            sent = theirs.index(next(a for a in theirs if a.kind == "SEND_F" and a.microbatch == got.microbatch
+                                     and a.chunk == (got.chunk if r > 0 else got.chunk - 1)))
+            for mb, c in keys:
+                k = next(i for i, a in enumerate(mine) if a.kind == "SEND_B" and (a.microbatch, a.chunk) == (mb, c))
+                arrived = next(i for i, a in enumerate(theirs) if a.kind == "RECV_B" and a.microbatch == mb
+                               and a.chunk == (c if r > 0 else c - 1))
+                assert k < at and arrived < sent
+        if name == "1f1b" and r > 0:
+            assert sum(map(len, waits.values())) >= m - p
+
+
+def _plan_pp(schedule, p, v):
+    from playground.planning import plan
+    model = preset("tiny", d_model=256, d_ff=768, n_layers=8, seq_len=128, vocab_size=256, n_heads=4)
+    layout = Layout(pp=p, schedule=schedule, virtual_stages=v, microbatches=8, micro_batch_size=2)
+    return plan(RunConfig(model=model, layout=layout, dtype="bfloat16", progress=False, hardware="h100-sxm"))
+
+
+def test_waiting_gradient_sends_early_costs_no_time_and_frees_memory(monkeypatch):
+    """Against waiting every gradient's send at the end of the step: the same simulated step
+    (the waits come after the sends have ended), and no rank's peak higher; the ranks that
+    send gradients hold fewer of them."""
+    import pipeline.executor as ex
+    proved = _plan_pp("1f1b", 4, 1)
+    monkeypatch.setattr(ex, "gradient_send_waits", lambda every, rank, p: {})
+    at_end = _plan_pp("1f1b", 4, 1)
+    assert proved.step_s <= at_end.step_s * (1 + 1e-6)
+    peaks = [(a["memory"]["peak_total"], b["memory"]["peak_total"]) for a, b in zip(proved.values, at_end.values)]
+    assert all(x <= y for x, y in peaks) and all(x < y for x, y in peaks[1:])
+
+
+@pytest.mark.sabotage
+def test_waiting_a_gradient_send_without_proof_deadlocks_the_interleaved_schedule(monkeypatch):
+    """Sabotage: each gradient's send waited at the next input received, whether or not its
+    sender had received the gradient by then: interleaved 1F1B at p = 4 deadlocks, and the
+    simulator says so."""
+    import pipeline.executor as ex
+    from collectives.errors import DeadlockError
+    monkeypatch.setattr(ex, "gradient_send_waits", _eager_gradient_waits)
+    with pytest.raises(DeadlockError, match="pp.gradients"):
+        _plan_pp("interleaved", 4, 2)
