@@ -61,7 +61,8 @@ planned (the floors of the ops and calls it issued: `issuing`): where they agree
 the step is still off, the device side is. Writes JSON.
 
 The pipeline rows (run13, run14) measured the executor before it freed each sent output at
-its gradient's return and before split backward's W freed its inputs: their peaks hold what
+its gradient's return and each sent gradient at a later receive, and before split
+backward's W freed its inputs: their peaks hold what
 that code kept (per rank: benchmarks/memory_audit.py), and the peak compared here is the
 largest over the ranks, which those changes move little (the ZB-H1 first stage they move by
 about 0.9 GiB is not the largest).

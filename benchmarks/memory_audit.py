@@ -15,9 +15,10 @@ lives; compared over the second step's forward and backward, bf16 with compute c
    step's tensors (the CUDA context's allocations, cuBLAS's workspaces: 65-100 MiB in these
    runs, the same on every layout of a model), so a measured peak is that much over a plan
    whose tracker misses nothing. The pipeline rows were measured before their executor
-   freed each sent output at its gradient's return and before split backward's W freed its
-   inputs: their measured peaks hold what the code then kept, which plans of the code now
-   do not (the first stage of ZB-H1: about 0.9 GiB at 1b).
+   freed each sent output at its gradient's return and each sent gradient at a later
+   receive, and before split backward's W freed its inputs: their measured peaks hold what
+   the code then kept, which plans of the code now do not (the first stage of ZB-H1: about
+   0.9 GiB at 1b).
 
 Writes JSON.
 """
