@@ -13,10 +13,17 @@ peak bytes saved for backward are known at every moment; parameters saved for ba
 skipped. Backward's temporaries (the gradients in flight between autograd's nodes, and
 what a node allocates while it runs: the cross-entropy's float32 gradients of the
 logits, for one) are followed by a dispatch mode during backward: each new storage an op
-makes there counts until its tensor is freed, except in recomputation (activation
-checkpointing's forward inside backward, whose saved outputs are activations).
-Communication buffers are what a strategy registers (`comm_buffers`): none for
-DDP, whose buckets are the gradients.
+makes there counts until the storage is freed (not its tensor: autograd hands a gradient
+on in tensors of its own, and a collective in flight holds its input until waited), a
+parameter's `.grad` excepted (a model state); in recomputation (activation checkpointing's
+forward inside backward) what the ops make counts as activations while it lives (`watch`:
+torch's checkpoint holds it outside the saved-tensor hooks). Code that keeps tensors
+outside autograd (the pipeline executor, split backward's store, selective
+checkpointing) holds them with `hold(t, category)`; a storage with several holders counts
+once. Communication buffers are what a strategy registers (`comm_buffers`): none for
+DDP, whose buckets are the gradients. simulator/live_bytes.py counts every storage the
+rank's ops make, told nothing: the reference the tracker is audited against
+(playground/memory_audit.py).
 """
 from __future__ import annotations
 
