@@ -21,41 +21,32 @@ step, which neither touches below stage 3.
 """
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .memory import CountsMade
 
 
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _tensors(y)
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the storages made under this mode (on this thread) and alive now."""
+class LiveBytes(CountsMade):
+    """Bytes of the storages made under this mode (on this thread) and alive now; inside a
+    fused region only what it leaves (`CountsMade`)."""
 
     def __init__(self):
         super().__init__()
         self.live = 0  # bytes alive now
         self.peak = 0  # the most alive at once since reset_peak
         self._sizes: dict = {}  # storage id -> bytes, for the storages alive now
-        self._made = None  # inside a fused region: weak references to what its ops made
 
     def reset_peak(self) -> None:
         self.peak = self.live
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in _tensors(out):
-            if self._made is None:
-                self._count(t)
-            else:
-                self._made.append(weakref.ref(t))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.made(t)
         return out
 
     def _count(self, t: torch.Tensor) -> None:
@@ -68,24 +59,6 @@ class LiveBytes(TorchDispatchMode):
         self.live += n
         self.peak = max(self.peak, self.live)
         weakref.finalize(s, self._freed, sid, n)
-
-    @contextlib.contextmanager
-    def fused(self, io_bytes: int = 0, name: str = "fused", **_):
-        """The ops inside as the one kernel a GPU runs for them (model/regions.py,
-        `fused_kernel`): their intermediate tensors never exist there, so only what the
-        region made and still holds at its end counts, from then on (as the tracker does)."""
-        if self._made is not None:  # nested: part of the outer region
-            yield self
-            return
-        self._made = []
-        try:
-            yield self
-        finally:
-            made, self._made = self._made, None
-            for ref in made:
-                t = ref()
-                if t is not None:
-                    self._count(t)
 
     def _freed(self, sid: int, nbytes: int) -> None:
         self.live -= nbytes

@@ -283,50 +283,27 @@ def _tensors(x):
             yield from _tensors(y)
 
 
-class _BackwardTemporaries(TorchDispatchMode):
-    """During backward (an autograd node running), every op's output on a storage none of its
-    inputs has is a temporary of the tracker's, or in a recomputation (gradients on) an
-    activation while its storage lives (`_count`). Inside
-    a fused region (`fused`: ops a GPU runs as one kernel) the intermediate tensors never
-    exist on the GPU: only what the region made and still holds at its end (its outputs)
-    counts, from then on."""
+class CountsMade(TorchDispatchMode):
+    """A dispatch mode that counts the tensors ops make (`made`, which subclasses call and
+    `_count` counts), except inside a fused region (`fused`: ops a GPU runs as one kernel,
+    model/regions.py), whose intermediate tensors never exist on the GPU: only what the
+    region made and still holds at its end (its outputs) counts, from then on."""
 
-    def __init__(self, tracker: MemoryTracker):
+    def __init__(self):
         super().__init__()
-        self.tracker = tracker
         self._made = None  # inside a fused region: weak references to what its ops made
 
-    @property
-    def activation_tracker(self) -> MemoryTracker:
-        """The tracker, to code that keeps activations outside autograd (model.regions)."""
-        return self.tracker
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.is_view or torch._C._current_autograd_node() is None:
-            return out
-        inputs = {storage_id(t) for t in _tensors((args, tuple((kwargs or {}).values())))}
-        for t in _tensors(out):
-            if storage_id(t) not in inputs:
-                if self._made is None:
-                    self._count(t)
-                else:
-                    self._made.append(weakref.ref(t))
-        return out
+    def made(self, t: torch.Tensor) -> None:
+        if self._made is None:
+            self._count(t)
+        else:
+            self._made.append(weakref.ref(t))
 
     def _count(self, t: torch.Tensor) -> None:
-        """A tensor an op made in backward: a temporary; in a recomputation (gradients on:
-        a checkpointed block's forward run again), an activation for as long as its storage
-        lives, since torch.utils.checkpoint keeps what the block saves outside the hooks."""
-        if torch.is_grad_enabled():
-            self.tracker.watch(t)
-        else:
-            self.tracker.temporary(t)
+        raise NotImplementedError
 
     @contextlib.contextmanager
     def fused(self, io_bytes: int = 0, name: str = "fused", **_):
-        """The ops inside as one kernel (model.gpt's fused regions; the compute model prices
-        them): their outputs alive at the end count as temporaries, the rest never existed."""
         if self._made is not None:  # nested: part of the outer region
             yield self
             return
@@ -341,3 +318,38 @@ class _BackwardTemporaries(TorchDispatchMode):
                 if t is not None and storage_id(t) not in seen:
                     seen.add(storage_id(t))
                     self._count(t)
+
+
+class _BackwardTemporaries(CountsMade):
+    """During backward (an autograd node running), every op's output on a storage none of its
+    inputs has is a temporary of the tracker's, or in a recomputation (gradients on) an
+    activation while its storage lives (`_count`); inside a fused region only what it leaves
+    (`CountsMade`)."""
+
+    def __init__(self, tracker: MemoryTracker):
+        super().__init__()
+        self.tracker = tracker
+
+    @property
+    def activation_tracker(self) -> MemoryTracker:
+        """The tracker, to code that keeps activations outside autograd (model.regions)."""
+        return self.tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view or torch._C._current_autograd_node() is None:
+            return out
+        inputs = {storage_id(t) for t in _tensors((args, tuple((kwargs or {}).values())))}
+        for t in _tensors(out):
+            if storage_id(t) not in inputs:
+                self.made(t)
+        return out
+
+    def _count(self, t: torch.Tensor) -> None:
+        """A tensor an op made in backward: a temporary; in a recomputation (gradients on:
+        a checkpointed block's forward run again), an activation for as long as its storage
+        lives, since torch.utils.checkpoint keeps what the block saves outside the hooks."""
+        if torch.is_grad_enabled():
+            self.tracker.watch(t)
+        else:
+            self.tracker.temporary(t)
