@@ -47,7 +47,8 @@ def test_the_peak_bound_from_one_block_is_below_the_planned_peak(axes):
     """Before a layout is estimated its peak is bounded by the states held all through a
     step and one microbatch's activations in its blocks, one block's of which
     `block_compute` measures: never above the plan's peak, and not far below where
-    activations dominate."""
+    activations dominate (under full recomputation the peak also holds the activations of
+    the block being recomputed, which the bound leaves out: a looser bound, still below)."""
     from playground.search import block_compute, memory_lower_bound
     cfg = preset("tiny", n_layers=4, seq_len=256)
     layout = Layout(micro_batch_size=2, **axes)
@@ -56,7 +57,7 @@ def test_the_peak_bound_from_one_block_is_below_the_planned_peak(axes):
     assert block[2] > 0
     peak = max(v["memory"]["peak_total"] for v in plan(run).values)
     bound = memory_lower_bound(cfg, layout, block)
-    assert 0.3 * peak < bound <= peak, (bound, peak)
+    assert (0.2 if layout.ac == "full" else 0.3) * peak < bound <= peak, (bound, peak)
 
 
 @pytest.mark.parametrize("axes", [dict(dp=8, zero=1, microbatches=2), dict(dp=8, zero=3, microbatches=2),
