@@ -57,6 +57,7 @@ def audit(run) -> list:
     """Per rank of `run` (a RunConfig): {"tracked": the tracker's peak of transient bytes over
     the second step's forward and backward, "live": the peak of the bytes made in it and alive
     at once, "missed": live − tracked}. Every rank runs (no stand-ins): a few ranks at most."""
+    run.layout.validate(run.model)  # (a clear error for a layout no plan would take)
     if run.layout.zero == 3:
         raise ValueError("memory audit: ZeRO-3 frees parameters by resizing storages, which the live count does not see")
     hardware = load_hardware(run.hardware or "h100-sxm")

@@ -162,6 +162,10 @@ def test_a_w_pass_that_leaves_its_inputs_alive_fails_the_audit(monkeypatch):
         _check({"pp": 2, "schedule": "zb1", "microbatches": 4})
 
 
-def test_zero3_is_refused():
+def test_zero3_and_invalid_layouts_are_refused():
+    from playground import LayoutError
     with pytest.raises(ValueError, match="ZeRO-3"):
         _audit({"dp": 2, "zero": 3})
+    with pytest.raises(LayoutError, match="ep=2"):
+        audit(RunConfig(model=preset("tiny-moe"), layout=Layout(ep=2, micro_batch_size=2), dtype="bfloat16",
+                        progress=False))
