@@ -43,24 +43,44 @@ from .rank_program import RankProgram
 from .report import MEMORY_AT_PEAK, _rank_ranges, bytes_per_step, links_table, memory_at_peak, table
 
 
-def plan_rank(world, run) -> dict:
-    """One rank's two steps on the meta device: the first makes AdamW's moments (its ops are
-    not counted), the second is timed and its memory tracked."""
+def planned_steps(world, run):
+    """One rank's two steps on the meta device, as a plan runs them: the first makes AdamW's
+    moments (its ops are not counted), the second is the one measured. Yields the rank's
+    program three times in the second step: at its start, after its forward and backward,
+    and at its end (after the optimizer), each inside the step (playground/memory_audit.py
+    reads the second, `plan_rank` the first and the last)."""
     layout = run.layout
     dtype = torch.float32 if run.dtype in ("bfloat16", "float16") else run.param_dtype
     rank = RankProgram(world, run, "meta", dtype=dtype)
     batch = torch.empty(layout.global_batch, run.model.seq_len + 1, dtype=torch.long, device="meta")
     micro = rank.microbatches(rank.local(batch))
-    clock, compute = world.timing.clock, world.timing.compute_model
+    compute = world.timing.compute_model
     fewest = fewest_microbatches(layout.schedule, layout.pp) if layout.pp > 1 else 1
     for step in range(2):
         with compute.paused() if step == 0 else compute.step():  # (a step starts with host and device in step)
-            before = clock.breakdown()
+            if step == 1:
+                yield rank
             total = rank.forward_backward(micro[:fewest] if step == 0 else micro)
+            if step == 1:
+                yield rank
             rank.nonfinite(total)  # as a training step does
             rank.update()
             rank.average_loss(total)  # as a training step does
-            after = clock.breakdown()
+            if step == 1:
+                yield rank
+
+
+def plan_rank(world, run) -> dict:
+    """One rank's plan: the second of `planned_steps`, timed, and its memory tracked."""
+    clock = world.timing.clock
+    steps = planned_steps(world, run)
+    rank = next(steps)
+    before = clock.breakdown()
+    next(steps)
+    next(steps)
+    after = clock.breakdown()
+    for _ in steps:  # (closes the step)
+        pass
     return {"step": {k: after[k] - before[k] for k in after}, "memory": rank.memory_snapshot()}
 
 
