@@ -6,17 +6,24 @@ without dynamic shapes (each shape it meets is compiled once).
 
 A compiled region is compiled both ways: AOTAutograd (Ansel et al. 2024, "PyTorch 2") traces
 its backward too, which a GPU runs as one compiled graph launched from one call. A plan runs
-the region on the meta device, op by op, and prices it as the GPU runs it (`region`): its
-forward as one kernel moving the bytes the caller gives (`fused_kernel`), its backward as
-the kernels of one graph, each op's device time its own and the host's one call
+the region on the meta device as AOTAutograd's two graphs, op by op (`partitioned`), and
+prices it as the GPU runs it (`region`): its forward as one kernel moving the bytes the
+caller gives (`fused_kernel`), keeping for backward what the graphs' partition saves, its
+backward as the kernels of one graph, each op's device time its own and the host's one call
 (`compiled_kernels`), where an eager backward would cost the host one launch per op."""
 from __future__ import annotations
 
+import dataclasses
 import functools
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from torch._functorch.aot_autograd import aot_function, make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from .regions import compiled_kernels, fused_kernel
+from .regions import compiled_kernels, fused_kernel, inlined
 
 
 @functools.cache
@@ -44,10 +51,10 @@ def fused_on(fn, t):
 def region(name: str, io_bytes: int, fn, *args, checkpointed: bool = False, graph=None):
     """fn(*args) as a GPU runs it: compiled on CUDA (`fused_on`); priced by the simulator as
     one kernel moving io_bytes (a plan's meta ranks, and CPU ranks with simulated time, run
-    its ops one by one); on the meta device its backward priced as one compiled graph's
-    (`_CompiledBackward`), elsewhere op by op (the CPU's arithmetic, the float64 check's
-    included, left as it is), and so inside an activation-checkpointed block
-    (`checkpointed`): torch.utils.checkpoint recomputes what the graph saves when its
+    its ops one by one); on the meta device with the tensors saved for backward and the
+    backward a compiled region has (`partitioned`), elsewhere op by op (the CPU's arithmetic,
+    the float64 check's included, left as it is), and so inside an activation-checkpointed
+    block (`checkpointed`): torch.utils.checkpoint recomputes what the graph saves when its
     backward first unpacks it, and an autograd graph built inside a custom Function's
     forward would be recomputed apart from the block's (twice, or refused under a selective
     policy). `graph`: the call site's CUDA graphs (model/cuda_graphs.py), which replay the
@@ -55,40 +62,159 @@ def region(name: str, io_bytes: int, fn, *args, checkpointed: bool = False, grap
     t = args[0]
     with fused_kernel(io_bytes, name):
         if t.is_meta and torch.is_grad_enabled() and not checkpointed:
-            return _CompiledBackward.apply(fn, name, *args)
+            return partitioned(fn, name, *args)
         if graph is not None and t.is_cuda and not checkpointed:
             return graph(fn, *args)
         return fused_on(fn, t)(*args)
 
 
-class _CompiledBackward(torch.autograd.Function):
-    """fn(*args) with its own autograd graph (built inside, on the inputs detached), whose
-    backward runs that graph's backward ops inside `compiled_kernels`: what a compiled
-    region's backward costs on a GPU, priced on the meta device. Outputs that are not
-    floating point (counts) or need no gradient pass through."""
+def partitioned(fn, name: str, *args):
+    """fn(*args) on meta tensors as AOTAutograd runs a compiled region (Ansel et al. 2024,
+    "PyTorch 2": the joint forward and backward graph cut in two by the min-cut
+    rematerialization partitioner Inductor uses, torch's
+    `functorch.compile.min_cut_rematerialization_partition`): its forward keeps for backward
+    only the tensors the cut saves (a GPU recomputes the cheap elementwise rest inside its
+    backward kernels), where an eager autograd graph keeps every op's saved inputs (1b-moe:
+    117 MiB a layer more); its backward runs inside `compiled_kernels` (each op's device time
+    its own, the host's one call), what it recomputes `inlined`. Traced once per function,
+    name and argument signature (shapes, strides, dtypes, devices, whether each needs a
+    gradient, the values of the others), on a thread of its own (`_tracer`), out of the
+    simulator's sight; the two graphs then run here under `_Partitioned`, which saves what
+    the cut saves through autograd's saved-tensor hooks (the memory tracker's count:
+    AOTAutograd's own runtime keeps some of them past the hooks)."""
+    graphs = _tracer().submit(_traced, fn, name, tuple(_signature(a) for a in args)).result()
+    outs = _Partitioned.apply(graphs, *(a for a in args if isinstance(a, torch.Tensor)))
+    return tree_unflatten(list(outs), graphs.structure)
+
+
+_TENSOR = "tensor"
+
+
+def _signature(a) -> tuple:
+    """What a trace of a region depends on in one argument."""
+    if isinstance(a, torch.Tensor):
+        return (_TENSOR, tuple(a.shape), a.stride(), a.dtype, a.device.type, a.requires_grad)
+    return (None, a)
+
+
+@functools.cache
+def _tracer() -> ThreadPoolExecutor:
+    """The one thread every trace runs on, one at a time: a plan's ranks run in threads of one
+    process, tracing is not thread-safe, and torch 2.11 (a CUDA build on a machine without a
+    GPU) crashes tracing on a thread after another thread that traced has ended."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="region-tracer")
+
+
+@dataclasses.dataclass
+class _Graphs:
+    """A region's forward and backward graphs (AOTAutograd's partition of its joint graph)."""
+    name: str
+    forward: torch.fx.GraphModule  # tensor arguments -> (outputs..., saved...)
+    backward: torch.fx.GraphModule | None  # (saved..., a gradient per differentiable output) -> argument gradients
+    recomputed: frozenset  # the backward's nodes that take no gradient: the forward's ops it recomputes
+    differentiable: tuple  # per output: whether it has a gradient
+    structure: TreeSpec  # how the outputs nest in what fn returns
+
+
+@functools.cache
+def _traced(fn, name: str, spec: tuple) -> _Graphs:
+    """`fn`'s graphs at the arguments `spec` describes, as functions of its tensor arguments
+    (the others bound): traced by aot_function on stand-ins, its backward graph made by one
+    backward, the simulator's dispatch modes off."""
+    where = [i for i, s in enumerate(spec) if s[0] == _TENSOR]
+
+    def bound(*tensors):
+        args = [s[1] for s in spec]
+        for i, t in zip(where, tensors):
+            args[i] = t
+        return fn(*args)
+
+    graphs = {}
+
+    def keep(kind):
+        def compiler(gm, _):
+            graphs[kind] = gm
+            return make_boxed_func(gm)
+        return compiler
+
+    traced = aot_function(bound, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                          partition_fn=min_cut_rematerialization_partition)
+    # (on the tracer's thread no rank's dispatch modes or saved-tensor hooks are on; off here
+    # all the same, whatever thread runs it)
+    with _disable_current_modes(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        stand_ins = [torch.empty_strided(s[1], s[2], dtype=s[3], device=s[4]).requires_grad_(s[5])
+                     for s in spec if s[0] == _TENSOR]
+        outs, structure = tree_flatten(traced(*stand_ins))
+        differentiable = tuple(isinstance(o, torch.Tensor) and o.requires_grad for o in outs)
+        needing = [t for t in stand_ins if t.requires_grad]
+        if any(differentiable) and needing:  # (the backward graph is compiled at its first call)
+            torch.autograd.grad([o for o, d in zip(outs, differentiable) if d], needing,
+                                [torch.empty_like(o) for o, d in zip(outs, differentiable) if d], allow_unused=True)
+    fw, bw = graphs["forward"], graphs.get("backward")
+    returned = [getattr(n, "name", n) for n in next(n for n in fw.graph.nodes if n.op == "output").args[0]]
+    saved = [] if bw is None else [n.name for n in bw.graph.nodes
+                                   if n.op == "placeholder" and not n.name.startswith("tangents")]
+    if returned[len(outs):] != saved:
+        raise RuntimeError(f"region {name}: its traced forward returns {returned}, not its {len(outs)} outputs and the "
+                           f"{len(saved)} tensors its backward takes ({saved}): an input mutated?")
+    return _Graphs(name, fw, bw, _recomputed(bw), differentiable, structure)
+
+
+def _same(t):
+    return t
+
+
+def _recomputed(bw) -> frozenset:
+    """The nodes of a backward graph that depend on no gradient (tangent): the forward's ops
+    it recomputes from what was saved, which the min-cut partitioner allows only for ops
+    Inductor fuses into their consumers (pointwise ones, views, cheap reductions; never a
+    matmul)."""
+    if bw is None:
+        return frozenset()
+    on_gradients = set()
+    for n in bw.graph.nodes:
+        if (n.op == "placeholder" and n.name.startswith("tangents")) or \
+                any(a in on_gradients for a in n.all_input_nodes):
+            on_gradients.add(n)
+    return frozenset(n.name for n in bw.graph.nodes if n.op == "call_function" and n not in on_gradients)
+
+
+class _Backward(torch.fx.Interpreter):
+    """A backward graph run node by node, its recomputed nodes `inlined` (fused into the
+    kernels that consume them, as Inductor compiles them)."""
+
+    def __init__(self, graphs: _Graphs):
+        super().__init__(graphs.backward)
+        self.recomputed = graphs.recomputed
+
+    def run_node(self, n):
+        if n.name in self.recomputed:
+            with inlined():
+                return super().run_node(n)
+        return super().run_node(n)
+
+
+class _Partitioned(torch.autograd.Function):
+    """A region's two graphs run as one autograd node: the forward saves what the partition
+    saves; the backward runs the backward graph inside `compiled_kernels`."""
 
     @staticmethod
-    def forward(ctx, fn, name, *args):
-        inner = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
-        with torch.enable_grad():
-            out = fn(*inner)
-        outs = out if isinstance(out, tuple) else (out,)
-        ctx.name, ctx.n_args = name, len(args)
-        ctx.inputs = [(i, a) for i, a in enumerate(inner) if isinstance(a, torch.Tensor) and a.requires_grad]
-        ctx.outputs = [(j, o) for j, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
-        ctx.mark_non_differentiable(*[o for o in outs if isinstance(o, torch.Tensor) and not o.requires_grad])
-        got = tuple(o.detach() if isinstance(o, torch.Tensor) and o.requires_grad else o for o in outs)
-        return got if isinstance(out, tuple) else got[0]
+    def forward(ctx, graphs: _Graphs, *tensors):
+        got = graphs.forward(*tensors)
+        n = len(graphs.differentiable)
+        outs, saved = tuple(got[:n]), got[n:]
+        ctx.save_for_backward(*saved)
+        ctx.graphs, ctx.n_args = graphs, len(tensors)
+        ctx.mark_non_differentiable(*[o for o, d in zip(outs, graphs.differentiable)
+                                      if isinstance(o, torch.Tensor) and not d])
+        return outs
 
     @staticmethod
     def backward(ctx, *grads):
-        pairs = [(o, grads[j]) for j, o in ctx.outputs if grads[j] is not None]
-        out = [None] * ctx.n_args
-        if pairs and ctx.inputs:
-            with compiled_kernels(f"{ctx.name}_backward"):
-                got = torch.autograd.grad([o for o, _ in pairs], [a for _, a in ctx.inputs], [g for _, g in pairs],
-                                          allow_unused=True)
-            for (i, _), g in zip(ctx.inputs, got):
-                out[i] = g
-        ctx.inputs = ctx.outputs = None
-        return (None, None, *out)
+        graphs = ctx.graphs
+        if graphs.backward is None:
+            return (None,) * (1 + ctx.n_args)
+        tangents = [g for g, d in zip(grads, graphs.differentiable) if d]
+        with compiled_kernels(f"{graphs.name}_backward"):
+            got = _Backward(graphs).run(*ctx.saved_tensors, *tangents)
+        return (None, *got)

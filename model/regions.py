@@ -2,7 +2,8 @@
 CPU and meta ranks run op by op, priced and counted as that one kernel (`fused_kernel`,
 `optimizer_kernel`: the compute model, simulator/compute_model.py; the memory tracker,
 simulator/memory.py); the kernels of one compiled graph, which a GPU launches from one call
-(`compiled_kernels`: the compute model); the generation of its flash attention kernels
+(`compiled_kernels`: the compute model), and within one the ops fused into their consumers
+(`inlined`); the generation of its flash attention kernels
 (`attention_kernels`); a pipeline stage's compute action
 (`pipeline_action`, which a bubble measurement charges a fixed cost); and the tracker
 counting activations now (`activation_tracker`).
@@ -52,6 +53,19 @@ def compiled_kernels(name: str):
         for mode in _modes():
             if hasattr(mode, "compiled"):
                 stack.enter_context(mode.compiled(name))
+        yield
+
+
+@contextlib.contextmanager
+def inlined():
+    """The ops inside, within a compiled graph (`compiled_kernels`), run inside the kernels
+    that consume their outputs (a compiled backward's recomputation of what its forward did
+    not save, which Inductor fuses into them): for each mode with `inlined`, no bytes moved
+    (the compute model) and no tensor held (the memory tracker, the live count). Else nothing."""
+    with contextlib.ExitStack() as stack:
+        for mode in _modes():
+            if hasattr(mode, "inlined"):
+                stack.enter_context(mode.inlined())
         yield
 
 

@@ -208,6 +208,7 @@ class ComputeModel(TorchDispatchMode):
         self._fused = None  # [seconds, attention?] while inside a fused region
         self.slowdown = 1.0  # this rank's kernels take this many times as long (an injected slow rank)
         self.attention_speed = 1.0  # the flash kernels' speed relative to the profile's (`attention_kernels`)
+        self._inlined = False  # inside `inlined`
 
     def _classify(self, func):
         packet = func._overloadpacket
@@ -253,7 +254,7 @@ class ComputeModel(TorchDispatchMode):
             seconds = (flops / (self.attention_rate * self.attention_speed) if attention
                        else self._seconds(func, args, out, flops))
         if self._fused is not None:  # one kernel (or a compiled graph's): charged when the region ends
-            if self._fused[1] == _BACK_TO_BACK:
+            if self._fused[1] == _BACK_TO_BACK and not self._inlined:
                 self._fused[0] += max(seconds, nbytes / self.byte_rate)
                 self.bytes += nbytes
             else:
@@ -321,6 +322,17 @@ class ComputeModel(TorchDispatchMode):
         finally:
             seconds, self._fused = self._fused[0], None
             self._kernel(name, seconds, io_bytes)
+
+    @contextlib.contextmanager
+    def inlined(self):
+        """Inside a compiled graph's region (`compiled`), the ops inside run within the kernels
+        that consume their outputs (what Inductor fuses there: a compiled backward's
+        recomputation of what its forward did not save): their FLOPs count, their bytes none."""
+        before, self._inlined = self._inlined, True
+        try:
+            yield self
+        finally:
+            self._inlined = before
 
     @contextlib.contextmanager
     def attention_kernels(self, generation: str):

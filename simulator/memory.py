@@ -292,8 +292,11 @@ class CountsMade(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self._made = None  # inside a fused region: weak references to what its ops made
+        self._inlined = False  # inside `inlined`
 
     def made(self, t: torch.Tensor) -> None:
+        if self._inlined:
+            return
         if self._made is None:
             self._count(t)
         else:
@@ -301,6 +304,16 @@ class CountsMade(TorchDispatchMode):
 
     def _count(self, t: torch.Tensor) -> None:
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def inlined(self):
+        """What the ops inside make is never counted: it exists only inside the kernels that
+        consume it (model/regions.py, `inlined`)."""
+        before, self._inlined = self._inlined, True
+        try:
+            yield self
+        finally:
+            self._inlined = before
 
     @contextlib.contextmanager
     def fused(self, io_bytes: int = 0, name: str = "fused", **_):

@@ -585,9 +585,10 @@ def _chain(x, w):
 def test_a_compiled_regions_backward_costs_the_host_one_call():
     """A region a GPU runs through torch.compile (model.compiled.region) has its backward
     compiled too: on the meta device its backward ops cost the device what each costs alone,
-    back to back, and the host one call, where priced op by op the host pays a floor for
-    every op. The forward is the one fused kernel either way; gradients on the CPU are the
-    function's own."""
+    back to back, what it recomputes from the forward nothing (fused into its consumers: the
+    same device time as the eager backward here), and the host one call, where priced op by
+    op the host pays a floor for every op. The forward is the one fused kernel either way;
+    gradients on the CPU are the function's own."""
     from model.compiled import region
     from model.regions import fused_kernel
 

@@ -1,0 +1,97 @@
+"""A compiled region on the meta device (model/compiled.py, `partitioned`): what a plan
+counts and prices for a region a GPU runs through torch.compile, whose backward AOTAutograd
+compiles too. Its forward keeps for backward what the min-cut partition saves, not what an
+eager autograd graph would (the GPU's own count: benchmarks/region_memory_gpu.py); what the
+backward recomputes costs neither bytes nor memory (Inductor fuses it into its consumers);
+on the CPU the region is the function, op by op."""
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import compiled
+from model.compiled import partitioned, region
+from simulator import MemoryTracker
+
+
+def _swiglu(x, w1, w2):
+    return F.silu(x @ w1) * (x @ w2)
+
+
+def _meta(*shape, grad=True):
+    return torch.empty(*shape, dtype=torch.bfloat16, device="meta", requires_grad=grad)
+
+
+def _kept(run):
+    """Bytes the tracker counts as activations after run() (its output kept)."""
+    tracker = MemoryTracker()
+    with tracker.track_activations():
+        out = run()
+        held = tracker.activations
+    del out
+    return held
+
+
+def _check_swiglu_keeps_its_partition():
+    x, w1, w2 = _meta(512, 64), _meta(64, 256), _meta(64, 256)
+    h = 512 * 256 * 2
+    eager = _kept(lambda: _swiglu(x, w1, w2))
+    kept = _kept(lambda: region("swiglu", 0, _swiglu, x, w1, w2))
+    assert eager == x.nbytes + 3 * h + 2 * (64 * 256 * 2)  # (the weights: no parameters excluded here)
+    assert kept == eager - h, f"the region kept {kept:,} bytes, its partition saves {eager - h:,}"
+
+
+def test_a_region_keeps_what_its_partition_saves():
+    """SwiGLU's eager graph keeps x, both products and silu's output; the partition keeps x
+    and the two products and recomputes silu in backward: one (T, f) tensor less."""
+    _check_swiglu_keeps_its_partition()
+
+
+def test_its_gradients_and_outputs_keep_their_shapes_and_structure():
+    def pair(x, w):
+        y = x @ w
+        return y, (y.sum(), 3)
+    x, w = _meta(8, 4), _meta(4, 2)
+    y, (s, three) = partitioned(pair, "pair", x, w)
+    assert y.shape == (8, 2) and s.shape == () and three == 3
+    gx, gw = torch.autograd.grad((y.sum() + s), (x, w))
+    assert gx.shape == x.shape and gw.shape == w.shape
+
+
+def test_a_region_is_traced_once_on_the_tracers_thread():
+    """Ranks run in threads; a region's trace is made on the tracer's thread, once for all."""
+    traced_on = []
+
+    def swiglu(x, w1, w2):  # (called only while tracing: the graphs run after)
+        traced_on.append(threading.current_thread().name)
+        return _swiglu(x, w1, w2)
+    x, w1, w2 = _meta(64, 32), _meta(32, 48), _meta(32, 48)
+
+    def ranks():
+        threads = [threading.Thread(target=lambda: partitioned(swiglu, "threads", x, w1, w2)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    ranks()
+    traces = len(traced_on)  # (AOTAutograd calls the function more than once in one trace)
+    assert traces and all(name.startswith("region-tracer") for name in traced_on)
+    ranks()
+    assert len(traced_on) == traces
+
+
+@pytest.mark.sabotage
+def test_a_region_that_saves_past_the_hooks_leaves_its_bytes_uncounted(monkeypatch):
+    """Sabotage: a region that keeps its saved tensors on its node instead of through
+    save_for_backward (as AOTAutograd's own runtime does for some) holds them unseen."""
+    class Unseen(compiled._Partitioned):
+        @staticmethod
+        def forward(ctx, graphs, *tensors):
+            got = graphs.forward(*tensors)
+            n = len(graphs.differentiable)
+            ctx.kept, ctx.graphs, ctx.n_args = got[n:], graphs, len(tensors)
+            return tuple(got[:n])
+    monkeypatch.setattr(compiled, "_Partitioned", Unseen)
+    with pytest.raises(AssertionError, match="the region kept"):
+        _check_swiglu_keeps_its_partition()
