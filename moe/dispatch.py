@@ -96,6 +96,7 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, group, out_splits, in_splits, label, flight):
         flight.work.wait()
+        flight.work = None  # (the call's Work holds its buffers: let go of them, as of the call)
         ctx.group, ctx.splits, ctx.label, ctx.flight = group, (out_splits, in_splits), label, flight
         return out.view_as(out)
 
