@@ -6,10 +6,13 @@ lives; compared over the second step's forward and backward, bf16 with compute c
 
 1. Layouts of a small model (d_model 256, 4 layers, sequence 128, vocabulary 256: the
    activations outweigh the few small tensors the two count differently) across the
-   strategies and schedules: per rank, the tracker's peak of transient bytes, the live
+   strategies and schedules, and of its mixture-of-experts variants (4 experts top-2; 8
+   fine-grained experts top-2 beside a shared one, dropless and at a capacity) alone and
+   under expert parallelism: per rank, the tracker's peak of transient bytes, the live
    bytes' peak, and what the tracker misses (live − tracked, as a share of tracked).
 2. The layouts measured on H200s that a plan compares with (benchmarks/fidelity.py: the
-   one-GPU rows of 1b and the two-GPU pipelines, TP, CP and DP rows of run13-run16, run27),
+   one-GPU rows of 1b and the two-GPU pipelines, TP, CP and DP rows of run13-run16, run27;
+   1b-moe and 1b-dsmoe on one GPU, run68),
    per rank: the CUDA peak measured there less the peak planned now, and what the audit
    finds the tracker misses now. A plan also leaves out what the process holds beside the
    step's tensors (the CUDA context's allocations, cuBLAS's workspaces: 65-100 MiB in these
@@ -47,11 +50,20 @@ LAYOUTS = [
     {"dp": 2, "tp": 2, "pp": 2, "microbatches": 4},
     {"tp": 2, "sequence_parallel": True, "pp": 2, "schedule": "zb1", "microbatches": 4},
 ]
+# mixture of experts (the layer's compiled regions run as AOTAutograd's partition: model/compiled.py)
+MOE = MODEL.with_(n_experts=4, top_k=2)
+DSMOE = MODEL.with_(n_experts=8, top_k=2, expert_d_ff=384, n_shared_experts=1, router="sigmoid",
+                    bias_update_rate=0.001, capacity_factor=0.0, aux_loss="sequence", aux_loss_coef=1e-4)
+MOE_LAYOUTS = [("moe", MOE, {}), ("moe", MOE, {"dp": 2, "ep": 2}),
+               ("moe", MOE, {"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}),
+               ("dsmoe", DSMOE, {}), ("dsmoe", DSMOE, {"dp": 2, "ep": 2}),
+               ("dsmoe at capacity 1", DSMOE.with_(capacity_factor=1.0), {"dp": 2, "ep": 2})]
 # (run folder, train JSON name): the GPU rows, the pipelines' measured before their executor changed
 GPU_ROWS = [("run16_host", "1b_single"), ("run27_one_gpu", "1b-acfull-b4_single"), ("run16_host", "1b_tp2"),
             ("run16_host", "1b_tp2-sp"), ("run16_host", "1b_cp2"), ("run15_fidelity", "1b_dp2"),
             ("run15_fidelity", "1b_zero1"), ("run13_kernels", "1b_pp2-1f1b"), ("run13_kernels", "1b_pp2-zb1"),
-            ("run14_side_by_side", "350m_pp2-1f1b"), ("run14_side_by_side", "350m_pp2-zb1")]
+            ("run14_side_by_side", "350m_pp2-1f1b"), ("run14_side_by_side", "350m_pp2-zb1"),
+            ("run68_moe_ties", "1b-moe_1gpu_1"), ("run68_moe_ties", "1b-dsmoe_1gpu_1")]
 MEASURED_BEFORE = ("pp2",)  # rows whose code has changed since in what a step holds
 MiB = 2 ** 20
 
@@ -81,9 +93,9 @@ def main() -> None:
     a = ap.parse_args()
 
     layouts = []
-    for kw in LAYOUTS:
-        run = RunConfig(model=MODEL, layout=Layout(micro_batch_size=2, **kw), dtype="bfloat16", progress=False)
-        layouts.append({"layout": describe(kw), "ranks": audit(run)})
+    for name, model, kw in [("dense", MODEL, kw) for kw in LAYOUTS] + MOE_LAYOUTS:
+        run = RunConfig(model=model, layout=Layout(micro_batch_size=2, **kw), dtype="bfloat16", progress=False)
+        layouts.append({"layout": describe(kw) if name == "dense" else f"{name}: {describe(kw)}", "ranks": audit(run)})
     rows = [[x["layout"], ranks(rs), f"{v['tracked']:,}", f"{v['live']:,}", f"{v['missed']:+,}",
              f"{v['missed'] / v['tracked']:+.2%}"] for x in layouts for rs, v in classes(x["ranks"])]
     worst = max(abs(v["missed"]) / v["tracked"] for x in layouts for v in x["ranks"])
