@@ -133,7 +133,6 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     gpu = torch.cuda.is_available()
-    device = "cuda" if gpu else "meta"
     rows, out = [], {"device": torch.cuda.get_device_name() if gpu else "none (plan columns only)",
                      "torch": torch.__version__, "regions": []}
     for model in ("1b-moe", "1b-dsmoe"):
