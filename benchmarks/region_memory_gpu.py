@@ -27,6 +27,7 @@ import sys
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from benchmarks._common import print_table, write_json  # noqa: E402
 from model import preset  # noqa: E402
@@ -74,12 +75,8 @@ def regions(c, t: dict) -> list:
     return out
 
 
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _tensors(y)
+def _tensors(x) -> list:
+    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
 def new_bytes(tensors, args) -> int:
@@ -108,13 +105,13 @@ def plan_eager(fn, args) -> int:
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(*args)
-    return new_bytes([*_tensors(out), *saved], args)
+    return new_bytes(_tensors(out) + saved, args)
 
 
 def plan_partition(name, fn, args) -> int:
     """The partition's forward graph's outputs and saved tensors (what a plan counts now)."""
     graphs = _traced(fn, name, tuple(_signature(a) for a in args))
-    return new_bytes(list(_tensors(graphs.forward(*[a for a in args if isinstance(a, torch.Tensor)]))), args)
+    return new_bytes(_tensors(graphs.forward(*[a for a in args if isinstance(a, torch.Tensor)])), args)
 
 
 def held_on_gpu(f, args) -> int:

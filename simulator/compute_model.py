@@ -48,6 +48,7 @@ from torch.utils.flop_counter import flop_registry
 
 from .clock import RankClock
 from .hardware import Hardware
+from .scoped import scoped
 
 
 def _shapes(x):
@@ -328,21 +329,15 @@ class ComputeModel(TorchDispatchMode):
         """Inside a compiled graph's region (`compiled`), the ops inside run within the kernels
         that consume their outputs (what Inductor fuses there: a compiled backward's
         recomputation of what its forward did not save): their FLOPs count, their bytes none."""
-        before, self._inlined = self._inlined, True
-        try:
+        with scoped(self, "_inlined", True):
             yield self
-        finally:
-            self._inlined = before
 
     @contextlib.contextmanager
     def attention_kernels(self, generation: str):
         """The flash attention ops inside priced as `generation`'s kernels (`FLASH_GENERATIONS`:
         the model's `attention`, around a step's forward and backward)."""
-        before, self.attention_speed = self.attention_speed, FLASH_GENERATIONS.get(generation, 1.0)
-        try:
+        with scoped(self, "attention_speed", FLASH_GENERATIONS.get(generation, 1.0)):
             yield self
-        finally:
-            self.attention_speed = before
 
     @contextlib.contextmanager
     def pipeline_action(self, kind: str, chunks: int = 1):

@@ -34,6 +34,8 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .scoped import scoped
+
 
 def storage_id(t: torch.Tensor) -> int:
     """The identity of the storage behind `t`: the same for every view of it, and kept when
@@ -309,11 +311,8 @@ class CountsMade(TorchDispatchMode):
     def inlined(self):
         """What the ops inside make is never counted: it exists only inside the kernels that
         consume it (model/regions.py, `inlined`)."""
-        before, self._inlined = self._inlined, True
-        try:
+        with scoped(self, "_inlined", True):
             yield self
-        finally:
-            self._inlined = before
 
     @contextlib.contextmanager
     def fused(self, io_bytes: int = 0, name: str = "fused", **_):

@@ -153,25 +153,9 @@ def test_the_tracker_counts_what_a_moe_layer_holds_in_more_layouts(name, model, 
 
 
 @pytest.mark.sabotage
-def test_a_region_that_keeps_its_saved_tensors_past_the_hooks_fails_the_audit(monkeypatch):
+def test_a_region_that_keeps_its_saved_tensors_past_the_hooks_fails_the_audit(saves_past_the_hooks):
     """Sabotage: the MoE layer's compiled regions keep what they save on their autograd node
-    instead of through save_for_backward (as AOTAutograd's own runtime keeps some): the
-    program holds them uncounted."""
-    from model import compiled
-
-    class Unseen(compiled._Partitioned):
-        @staticmethod
-        def forward(ctx, graphs, *tensors):
-            got = graphs.forward(*tensors)
-            n = len(graphs.differentiable)
-            ctx.kept, ctx.graphs, ctx.n_args = got[n:], graphs, len(tensors)
-            return tuple(got[:n])
-
-        @staticmethod
-        def backward(ctx, *grads):
-            tangents = [g for g, d in zip(grads, ctx.graphs.differentiable) if d]
-            return (None, *compiled._Backward(ctx.graphs).run(*ctx.kept, *tangents))
-    monkeypatch.setattr(compiled, "_Partitioned", Unseen)
+    instead of through save_for_backward: the program holds them uncounted."""
     with pytest.raises(AssertionError, match="the tracker counted"):
         _check({}, MOE)
 
