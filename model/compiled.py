@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -97,11 +98,17 @@ def _signature(a) -> tuple:
     return (None, a)
 
 
-@functools.cache
 def _tracer() -> ThreadPoolExecutor:
-    """The one thread every trace runs on, one at a time: a plan's ranks run in threads of one
-    process, tracing is not thread-safe, and torch 2.11 (a CUDA build on a machine without a
-    GPU) crashes tracing on a thread after another thread that traced has ended."""
+    """The one thread every trace of this process runs on, one at a time: a plan's ranks run
+    in threads of one process, tracing is not thread-safe, and torch 2.11 (a CUDA build on a
+    machine without a GPU) crashes tracing on a thread after another thread that traced has
+    ended."""
+    return _tracer_of(os.getpid())
+
+
+@functools.cache
+def _tracer_of(pid: int) -> ThreadPoolExecutor:
+    """(One per process: a forked child has the parent's executor but not its thread.)"""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="region-tracer")
 
 

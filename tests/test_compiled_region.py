@@ -4,6 +4,8 @@ compiles too. Its forward keeps for backward what the min-cut partition saves, n
 eager autograd graph would (the GPU's own count: benchmarks/region_memory_gpu.py); what the
 backward recomputes costs neither bytes nor memory (Inductor fuses it into its consumers);
 on the CPU the region is the function, op by op."""
+import faulthandler
+import os
 import threading
 
 import pytest
@@ -86,3 +88,18 @@ def test_a_region_that_saves_past_the_hooks_leaves_its_bytes_uncounted(saves_pas
     save_for_backward (as AOTAutograd's own runtime does for some) holds them unseen."""
     with pytest.raises(AssertionError, match="the region kept"):
         _check_swiglu_keeps_its_partition()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX's")
+def test_a_forked_process_traces_on_a_tracer_of_its_own():
+    """A child forked after the parent traced has the parent's executor but not its thread: it
+    gets a tracer of its own instead of waiting forever."""
+    x, w1, w2 = _meta(16, 8), _meta(8, 12), _meta(8, 12)
+    partitioned(_swiglu, "fork", x, w1, w2)
+    pid = os.fork()
+    if pid == 0:  # (the child: a new shape, traced; a hang ends it with a failing status)
+        faulthandler.dump_traceback_later(60, exit=True)
+        ok = partitioned(_swiglu, "fork", _meta(17, 8), w1, w2).shape == (17, 12)
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
