@@ -8,7 +8,7 @@ lives; compared over the second step's forward and backward, bf16 with compute c
    activations outweigh the few small tensors the two count differently) across the
    strategies and schedules, and of its mixture-of-experts variants (4 experts top-2; 8
    fine-grained experts top-2 beside a shared one, dropless and at a capacity) alone and
-   under expert parallelism: per rank, the tracker's peak of transient bytes, the live
+   under expert parallelism, and a few layouts in float32, float64 and float16: per rank, the tracker's peak of transient bytes, the live
    bytes' peak, and what the tracker misses (live − tracked, as a share of tracked).
 2. The layouts measured on H200s that a plan compares with (benchmarks/fidelity.py: the
    one-GPU rows of 1b and the two-GPU pipelines, TP, CP and DP rows of run13-run16, run27;
@@ -54,6 +54,10 @@ LAYOUTS = [
 MOE = MODEL.with_(n_experts=4, top_k=2)
 DSMOE = MODEL.with_(n_experts=8, top_k=2, expert_d_ff=384, n_shared_experts=1, router="sigmoid",
                     bias_update_rate=0.001, capacity_factor=0.0, aux_loss="sequence", aux_loss_coef=1e-4)
+# other dtypes: float32 and float64 (each .grad made in backward; under DDP its bucket's view),
+# float16 (loss-scaled compute copies)
+DTYPE_LAYOUTS = [("float32", {}), ("float32", {"dp": 2}), ("float32", {"cp": 2}),
+                 ("float64", {"dp": 2, "tp": 2, "pp": 2, "microbatches": 4}), ("float16", {"dp": 2, "zero": 1})]
 MOE_LAYOUTS = [("moe", MOE, {}), ("moe", MOE, {"dp": 2, "ep": 2}),
                ("moe", MOE, {"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}),
                ("dsmoe", DSMOE, {}), ("dsmoe", DSMOE, {"dp": 2, "ep": 2}),
@@ -93,13 +97,16 @@ def main() -> None:
     a = ap.parse_args()
 
     layouts = []
-    for name, model, kw in [("dense", MODEL, kw) for kw in LAYOUTS] + MOE_LAYOUTS:
-        run = RunConfig(model=model, layout=Layout(micro_batch_size=2, **kw), dtype="bfloat16", progress=False)
-        layouts.append({"layout": describe(kw) if name == "dense" else f"{name}: {describe(kw)}", "ranks": audit(run)})
+    cases = [("dense", MODEL, kw, "bfloat16") for kw in LAYOUTS] + [(n, m, kw, "bfloat16") for n, m, kw in MOE_LAYOUTS] \
+        + [(dtype, MODEL, kw, dtype) for dtype, kw in DTYPE_LAYOUTS]
+    for name, model, kw, dtype in cases:
+        run = RunConfig(model=model, layout=Layout(micro_batch_size=2, **kw), dtype=dtype, progress=False)
+        layouts.append({"layout": describe(kw) if name == "dense" else f"{name}: {describe(kw)}", "dtype": dtype,
+                        "ranks": audit(run)})
     rows = [[x["layout"], ranks(rs), f"{v['tracked']:,}", f"{v['live']:,}", f"{v['missed']:+,}",
              f"{v['missed'] / v['tracked']:+.2%}"] for x in layouts for rs, v in classes(x["ranks"])]
     worst = max(abs(v["missed"]) / v["tracked"] for x in layouts for v in x["ranks"])
-    print_table(f"tracker against live bytes, bf16, d_model 256, 4 layers, micro-batch 2 x 128 tokens "
+    print_table(f"tracker against live bytes, bf16 unless named, d_model 256, 4 layers, micro-batch 2 x 128 tokens "
                 f"(largest miss {worst:.2%} of the tracked peak)",
                 ["layout", "ranks", "tracked peak (B)", "live peak (B)", "missed (B)", "of tracked"], rows)
 

@@ -9,12 +9,18 @@ the tracker's peak of transient bytes with the peak of the bytes made in that st
 alive at once. The two agree when the tracker is told of everything the program holds;
 where they differ, the plan misses (or invents) that many bytes, on a GPU as here.
 
+A parameter's `.grad` that backward makes (float32 and float64 without ZeRO, whose
+gradients have no flat buffer) is a model state to the tracker, and so to the live count
+from its accumulation on (`LiveBytes.model_state`).
+
 The optimizer's step is left out: on a GPU it is fused kernels with no temporaries to speak
 of, on the meta device op-by-op code with many, so its live bytes say nothing of a GPU's.
 ZeRO-3 is refused: it frees its parameters by resizing their storages, which no dispatch
 mode sees (live_bytes.py).
 """
 from __future__ import annotations
+
+import torch
 
 from collectives import launch
 from simulator import SimulatedTime, load_hardware
@@ -27,7 +33,15 @@ def _audit_rank(world, run) -> dict:
     live = LiveBytes()
     with live:
         steps = planned_steps(world, run)
-        memory = next(steps).memory
+        rank = next(steps)
+        memory = rank.memory
+        # a parameter's .grad, made in backward where no strategy gives it a flat buffer (float32
+        # and float64 without ZeRO), is a model state to the tracker (`_grad_accumulated`)
+        def accumulated(p):
+            if p.grad is not None:
+                live.model_state(p.grad)
+        hooks = [p.register_post_accumulate_grad_hook(accumulated)
+                 for p in rank.model.params if isinstance(p, torch.Tensor) and p.is_leaf and p.requires_grad]
         live.reset_peak()
         live_start, tracked_start = live.live, memory.transient
         memory.peak_transient = tracked_start
@@ -35,6 +49,8 @@ def _audit_rank(world, run) -> dict:
         out = {"tracked": memory.peak_transient - tracked_start, "live": live.peak - live_start}
         for _ in steps:  # (the optimizer, outside the comparison)
             pass
+        for h in hooks:
+            h.remove()
     out["missed"] = out["live"] - out["tracked"]
     return out
 

@@ -38,9 +38,12 @@ class LiveBytes(CountsMade):
         self.live = 0  # bytes alive now
         self.peak = 0  # the most alive at once since reset_peak
         self._sizes: dict = {}  # storage id -> bytes, for the storages alive now
+        self._states: set = set()  # storage ids of model states made in the step (`model_state`), alive
+        self._recent: set = set()  # storage ids counted since `reset_peak`
 
     def reset_peak(self) -> None:
         self.peak = self.live
+        self._recent.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -49,18 +52,32 @@ class LiveBytes(CountsMade):
                 self.made(t)
         return out
 
+    def model_state(self, t: torch.Tensor) -> None:
+        """`t`'s storage is a model state (a parameter's `.grad`, which the memory tracker
+        counts with the model states however late it is made): not counted from now on, where
+        it was made since `reset_peak` (one alive before is the baseline's: a DDP bucket)."""
+        s = t.untyped_storage()
+        sid = s._cdata
+        if sid in self._states or (sid in self._sizes and sid not in self._recent):
+            return
+        self._states.add(sid)
+        self.live -= self._sizes.pop(sid, 0)
+        weakref.finalize(s, self._states.discard, sid)
+
     def _count(self, t: torch.Tensor) -> None:
         s = t.untyped_storage()
         sid = s._cdata
-        if sid in self._sizes:
+        if sid in self._sizes or sid in self._states:
             return
         n = s.nbytes()
         self._sizes[sid] = n
+        self._recent.add(sid)
         self.live += n
         self.peak = max(self.peak, self.live)
         weakref.finalize(s, self._freed, sid, n)
 
     def _freed(self, sid: int, nbytes: int) -> None:
-        self.live -= nbytes
-        if self._sizes.get(sid) == nbytes:
+        if self._sizes.get(sid) == nbytes:  # (else a model state since, no longer counted)
             del self._sizes[sid]
+            self._recent.discard(sid)
+            self.live -= nbytes

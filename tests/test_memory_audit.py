@@ -70,6 +70,27 @@ def test_a_storage_held_twice_counts_once_in_the_category_still_holding_it():
     assert tracker.comm_buffers == 0 and tracker.peak_transient == 400
 
 
+def test_a_model_state_made_in_the_step_is_not_counted_and_one_made_before_stays():
+    """A parameter's .grad made in backward (float32 without ZeRO) is a model state to the
+    tracker, so the live count drops it; a storage alive before the step (a DDP bucket, whose
+    views are the .grads) is the baseline's and stays."""
+    live = LiveBytes()
+    with live:
+        bucket = torch.empty(100)  # 400 bytes, before the step
+        live.reset_peak()
+        grad = torch.empty(50)  # 200, made in the step
+        assert live.live == 600
+        live.model_state(grad)
+        live.model_state(bucket[10:])
+        assert live.live == 400
+        again = grad * 1  # (a new storage: counted)
+        assert live.live == 600
+        del grad, again
+        assert live.live == 400
+        del bucket
+        assert live.live == 0
+
+
 def test_a_watched_storage_counts_until_it_is_freed():
     tracker = MemoryTracker()
     t = torch.empty(100)
@@ -108,10 +129,19 @@ def _audit(kw, dtype="bfloat16", model=MODEL):
     return audit(run)
 
 
-def _check(kw, model=MODEL):
-    for rank, r in enumerate(_audit(kw, model=model)):
+def _check(kw, model=MODEL, dtype="bfloat16"):
+    for rank, r in enumerate(_audit(kw, dtype=dtype, model=model)):
         assert abs(r["missed"]) <= WITHIN * r["tracked"], (
-            f"{kw} rank {rank}: the program held {r['live']:,} bytes at its peak, the tracker counted {r['tracked']:,}")
+            f"{dtype} {kw} rank {rank}: the program held {r['live']:,} bytes at its peak, the tracker counted "
+            f"{r['tracked']:,}")
+
+
+# float32 and float64 (no compute copies: each parameter's .grad made in backward, a model
+# state; under DDP a view of its bucket) and float16 (loss-scaled compute copies)
+DTYPE_LAYOUTS = [("float32", {}), ("float32", {"dp": 2}), ("float64", {"pp": 2, "microbatches": 4}),
+                 ("float16", {"dp": 2, "zero": 1})]
+SLOW_DTYPE_LAYOUTS = [("float32", {"cp": 2}), ("float32", {"tp": 2}), ("float64", {"dp": 2, "tp": 2, "pp": 2, "microbatches": 4}),
+                      ("float32", {"pp": 2, "schedule": "zb1", "microbatches": 4}), ("float64", {"ac": "full"})]
 
 
 @pytest.mark.parametrize("kw", LAYOUTS, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()) or "single")
@@ -125,6 +155,22 @@ def test_the_tracker_counts_what_the_program_holds(kw):
 @pytest.mark.parametrize("kw", SLOW_LAYOUTS, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
 def test_the_tracker_counts_what_the_program_holds_in_more_layouts(kw):
     _check(kw)
+
+
+def _dtype_id(case):
+    dtype, kw = case
+    return "-".join([dtype] + [f"{k}{v}" for k, v in kw.items()])
+
+
+@pytest.mark.parametrize("case", DTYPE_LAYOUTS, ids=_dtype_id)
+def test_the_tracker_counts_what_the_program_holds_in_other_dtypes(case):
+    _check(case[1], dtype=case[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_DTYPE_LAYOUTS, ids=_dtype_id)
+def test_the_tracker_counts_what_the_program_holds_in_other_dtypes_and_layouts(case):
+    _check(case[1], dtype=case[0])
 
 
 # mixture of experts, whose layer runs as compiled regions (model/compiled.py): one on a rank
@@ -158,6 +204,15 @@ def test_a_region_that_keeps_its_saved_tensors_past_the_hooks_fails_the_audit(sa
     instead of through save_for_backward: the program holds them uncounted."""
     with pytest.raises(AssertionError, match="the tracker counted"):
         _check({}, MOE)
+
+
+@pytest.mark.sabotage
+def test_gradients_left_as_temporaries_fail_the_audit(monkeypatch):
+    """Sabotage: the tracker does not claim a parameter's .grad as a model state (float32
+    without ZeRO makes it in backward): it counts every gradient as a temporary for good."""
+    monkeypatch.setattr(MemoryTracker, "_grad_accumulated", lambda self, p: None)
+    with pytest.raises(AssertionError, match="the tracker counted"):
+        _check({}, dtype="float32")
 
 
 @pytest.mark.sabotage
