@@ -41,7 +41,8 @@ from playground.planning import plan  # noqa: E402
 
 MODEL = preset("tiny", d_model=256, d_ff=768, n_layers=4, seq_len=128, vocab_size=256, n_heads=4)
 LAYOUTS = [
-    {}, {"dp": 2}, {"dp": 2, "zero": 1}, {"dp": 2, "zero": 2}, {"tp": 2}, {"tp": 2, "sequence_parallel": True},
+    {}, {"dp": 2}, {"dp": 2, "zero": 1}, {"dp": 2, "zero": 2}, {"dp": 2, "zero": 3}, {"dp": 4, "zero": 3, "dp_replicate": 2},
+    {"dp": 2, "tp": 2, "zero": 3, "sequence_parallel": True}, {"tp": 2}, {"tp": 2, "sequence_parallel": True},
     {"cp": 2}, {"cp": 2, "cp_impl": "ulysses"},
     {"pp": 2, "schedule": "gpipe", "microbatches": 4}, {"pp": 2, "schedule": "1f1b", "microbatches": 4},
     {"pp": 2, "schedule": "zb1", "microbatches": 4},
@@ -67,7 +68,8 @@ GPU_ROWS = [("run16_host", "1b_single"), ("run27_one_gpu", "1b-acfull-b4_single"
             ("run16_host", "1b_tp2-sp"), ("run16_host", "1b_cp2"), ("run15_fidelity", "1b_dp2"),
             ("run15_fidelity", "1b_zero1"), ("run13_kernels", "1b_pp2-1f1b"), ("run13_kernels", "1b_pp2-zb1"),
             ("run14_side_by_side", "350m_pp2-1f1b"), ("run14_side_by_side", "350m_pp2-zb1"),
-            ("run68_moe_ties", "1b-moe_1gpu_1"), ("run68_moe_ties", "1b-dsmoe_1gpu_1")]
+            ("run68_moe_ties", "1b-moe_1gpu_1"), ("run68_moe_ties", "1b-dsmoe_1gpu_1"),
+            ("run27_one_gpu", "1b_zero3-w1"), ("run55_one_gpu_rows", "350m_zero3-w1")]
 MEASURED_BEFORE = ("pp2",)  # rows whose code has changed since in what a step holds
 MiB = 2 ** 20
 

@@ -4,7 +4,7 @@ CPU and meta ranks run op by op, priced and counted as that one kernel (`fused_k
 simulator/memory.py); the kernels of one compiled graph, which a GPU launches from one call
 (`compiled_kernels`: the compute model), and within one the ops fused into their consumers
 (`inlined`); the generation of its flash attention kernels
-(`attention_kernels`); a pipeline stage's compute action
+(`attention_kernels`); a storage resized (`resize_storage`); a pipeline stage's compute action
 (`pipeline_action`, which a bubble measurement charges a fixed cost); and the tracker
 counting activations now (`activation_tracker`).
 
@@ -90,6 +90,17 @@ def optimizer_kernel(optimizer):
             if hasattr(mode, "optimizer_step"):
                 stack.enter_context(mode.optimizer_step(optimizer))
         yield
+
+
+def resize_storage(t: torch.Tensor, nbytes: int) -> None:
+    """`t`'s storage resized to nbytes (ZeRO-3 frees its gathered parameters so and fills them
+    again, as FSDP does), told to each mode with `storage_resized` (the live count,
+    simulator/live_bytes.py): a storage's resize is no op a dispatch mode sees."""
+    storage = t.untyped_storage()
+    storage.resize_(nbytes)
+    for mode in _modes():
+        if hasattr(mode, "storage_resized"):
+            mode.storage_resized(storage)
 
 
 def activation_tracker():

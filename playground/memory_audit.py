@@ -15,8 +15,7 @@ from its accumulation on (`LiveBytes.model_state`).
 
 The optimizer's step is left out: on a GPU it is fused kernels with no temporaries to speak
 of, on the meta device op-by-op code with many, so its live bytes say nothing of a GPU's.
-ZeRO-3 is refused: it frees its parameters by resizing their storages, which no dispatch
-mode sees (live_bytes.py).
+ZeRO-3's gathered parameters are seen as their storages are resized (live_bytes.py).
 """
 from __future__ import annotations
 
@@ -60,8 +59,6 @@ def audit(run) -> list:
     the second step's forward and backward, "live": the peak of the bytes made in it and alive
     at once, "missed": live − tracked}. Every rank runs (no stand-ins): a few ranks at most."""
     run.layout.validate(run.model)  # (a clear error for a layout no plan would take)
-    if run.layout.zero == 3:
-        raise ValueError("memory audit: ZeRO-3 frees parameters by resizing storages, which the live count does not see")
     hardware = load_hardware(run.hardware or "h100-sxm")
     res = launch(_audit_rank, run.layout.world, args=(run,), time_model=SimulatedTime(hardware))
     return list(res.values)

@@ -14,10 +14,11 @@ Except inside a fused region (model/regions.py, `fused_kernel`: ops a GPU runs a
 kernel, which the CPU and the meta device run op by op), where only what the region leaves
 counts: its intermediate tensors never exist on a GPU.
 
-Not seen: storages made outside dispatch (`torch.UntypedStorage(n)`, `torch.from_numpy`) and
-a storage's resize (ZeRO-3 frees and refills its parameters that way: stage 3 is out of its
-reach). What is compared (playground/memory_audit.py) is the peak of the bytes made within a
-step, which neither touches below stage 3.
+Not seen: storages made outside dispatch (`torch.UntypedStorage(n)`, `torch.from_numpy`),
+which what is compared (playground/memory_audit.py: the peak of the bytes made within a
+step) never holds. A storage's resize is no op either: ZeRO-3 frees and refills its
+parameters that way, through model/regions.py's `resize_storage`, which tells this mode the
+storage's new size (`storage_resized`): a fact about the storage, not a category.
 """
 from __future__ import annotations
 
@@ -74,10 +75,20 @@ class LiveBytes(CountsMade):
         self._recent.add(sid)
         self.live += n
         self.peak = max(self.peak, self.live)
-        weakref.finalize(s, self._freed, sid, n)
+        weakref.finalize(s, self._freed, sid)
 
-    def _freed(self, sid: int, nbytes: int) -> None:
-        if self._sizes.get(sid) == nbytes:  # (else a model state since, no longer counted)
-            del self._sizes[sid]
+    def storage_resized(self, storage) -> None:
+        """A counted storage now holds storage.nbytes() (model/regions.py, `resize_storage`:
+        ZeRO-3's parameters freed and gathered again)."""
+        sid = storage._cdata
+        if sid in self._sizes:
+            n = storage.nbytes()
+            self.live += n - self._sizes[sid]
+            self._sizes[sid] = n
+            self.peak = max(self.peak, self.live)
+
+    def _freed(self, sid: int) -> None:
+        n = self._sizes.pop(sid, None)  # (None: a model state since, no longer counted)
+        if n is not None:
             self._recent.discard(sid)
-            self.live -= nbytes
+            self.live -= n

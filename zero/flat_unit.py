@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from model.placement import Flat
+from model.regions import resize_storage
 
 
 class FlatUnit:
@@ -56,7 +57,7 @@ class FlatUnit:
     def free(self) -> None:
         """Drop the gathered parameters (the views stay, pointing at zero bytes)."""
         if self.gathered:
-            self.flat.untyped_storage().resize_(0)
+            resize_storage(self.flat, 0)
             self.gathered = False
 
     def gather(self, group, shard: torch.Tensor, label: str):
@@ -64,7 +65,7 @@ class FlatUnit:
         shard is held (`gather_input`) until the all-gather is done."""
         if self.gathered or self.gather_work is not None:
             return None
-        self.flat.untyped_storage().resize_(self.nbytes)
+        resize_storage(self.flat, self.nbytes)
         self.gather_input = shard
         self.gather_work = group.all_gather(self.flat, shard, async_op=True, label=label)
         return self.gather_work
