@@ -186,9 +186,11 @@ def _compute_dtype(x):
 
 def grouped_mm_applies(x, weight) -> bool:
     """Whether `torch._grouped_mm` runs the experts: bf16 on a CUDA device of compute
-    capability 9.0 or more (its kernels' condition), in torch versions that have it; and bf16
-    on the meta device, where a plan prices what such a GPU runs."""
-    if not (hasattr(torch, "_grouped_mm") and _compute_dtype(x) == torch.bfloat16 and weight.dim() == 3):
+    capability 9.0 or more, with the model's and the experts' widths multiples of 8 (rows of
+    16 bytes: its kernels' conditions), in torch versions that have it; and so on the meta
+    device, where a plan prices what such a GPU runs."""
+    if not (hasattr(torch, "_grouped_mm") and _compute_dtype(x) == torch.bfloat16 and weight.dim() == 3
+            and weight.shape[1] % 8 == 0 and weight.shape[2] % 8 == 0):
         return False
     return x.is_meta or (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
@@ -211,6 +213,9 @@ class Experts(nn.Module):
         """x (N, d) sorted expert-major; counts (E,): a tensor on x's device, or a list."""
         if grouped_mm_applies(x, self.w_gate):
             return self._grouped(x, counts)
+        if isinstance(counts, torch.Tensor) and counts.is_meta:  # (a plan: no values; the rows split evenly)
+            per, extra = divmod(x.shape[0], self.w_gate.shape[0])
+            counts = [per + (e < extra) for e in range(self.w_gate.shape[0])]
         counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
         out, start = [], 0
         for e, n in enumerate(counts):
@@ -358,15 +363,20 @@ def capacity(c, tokens: int) -> int | None:
 
 def _balanced(probs, T: int, c) -> Routing:
     """On the meta device (planning: shapes only, no data to route) every expert gets an
-    equal share of the assignments, up to its capacity."""
+    equal share of the assignments, up to its capacity (the T·k mod E left over dropped, as
+    `choose` keeps on meta); dropless, every assignment, the left-over ones one each to the
+    first experts."""
     E, k = c.n_experts, c.top_k
-    per = T * k // E
+    per, extra = divmod(T * k, E)
     cap = capacity(c, T)
-    kept = min(per, cap) if cap is not None else per
-    counts = torch.full((E,), kept, dtype=torch.long)
-    n = kept * E
+    if cap is None:
+        counts = torch.tensor([per + (e < extra) for e in range(E)], dtype=torch.long)
+        routed = counts.clone()
+    else:
+        counts, routed = torch.full((E,), min(per, cap), dtype=torch.long), torch.full((E,), per, dtype=torch.long)
+    n = int(counts.sum())
     return Routing(torch.empty(n, dtype=torch.long, device="meta"), torch.empty(n, dtype=probs.dtype, device="meta"),
-                   counts, torch.full((E,), per, dtype=torch.long), T * k - n)
+                   counts, routed, T * k - n)
 
 
 @dataclass

@@ -25,7 +25,7 @@ from collectives import launch
 from simulator import SimulatedTime, load_hardware
 from simulator.live_bytes import LiveBytes
 
-from .planning import planned_steps
+from .planning import planned_run, planned_steps
 
 
 def _audit_rank(world, run) -> dict:
@@ -58,7 +58,7 @@ def audit(run) -> list:
     """Per rank of `run` (a RunConfig): {"tracked": the tracker's peak of transient bytes over
     the second step's forward and backward, "live": the peak of the bytes made in it and alive
     at once, "missed": live − tracked}. Every rank runs (no stand-ins): a few ranks at most."""
-    run.layout.validate(run.model)  # (a clear error for a layout no plan would take)
+    run = planned_run(run)
     hardware = load_hardware(run.hardware or "h100-sxm")
     res = launch(_audit_rank, run.layout.world, args=(run,), time_model=SimulatedTime(hardware))
     return list(res.values)

@@ -173,14 +173,21 @@ def uniform_stages(layout, gpus_per_node: int) -> bool:
     return bool((sig == sig[np.arange(layout.world) // inner * inner]).all())
 
 
+def planned_run(run):
+    """`run` as a plan runs it: its layout validated (a clear error for one that does not
+    fit), bf16 as compute copies of fp32 masters (what `precision` says a plan prices)."""
+    run.layout.validate(run.model)
+    if run.dtype == "bfloat16" and not run.layout.zero:
+        run = replace(run, bf16_copies=True)
+    return run
+
+
 def plan(run, every_rank: bool = False) -> Plan:
     """Plan `run` (its hardware profile required) on simulated ranks: one per class of
     identical ranks, or `every_rank`."""
     if not run.hardware:
         raise ValueError("plan needs --hardware: the profile the layout is planned on")
-    run.layout.validate(run.model)
-    if run.dtype == "bfloat16" and not run.layout.zero:
-        run = replace(run, bf16_copies=True)
+    run = planned_run(run)
     t0 = time.perf_counter()
     of = stand_ins(run.layout)
     by_classes = not every_rank and uniform_stages(run.layout, load_hardware(run.hardware).gpus_per_node)

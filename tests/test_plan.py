@@ -239,3 +239,39 @@ def test_a_bf16_plan_says_which_recipe_it_prices():
     fp32 = summary(plan(RunConfig(model=preset("tiny"), layout=Layout(), dtype="float32", hardware="h200",
                                   progress=False)))
     assert "autocast" not in fp32 and "), float32, on h200" in fp32
+
+
+@pytest.mark.parametrize("dtype,model_kw,layout_kw", [
+    # float32 experts run as a loop over the experts, whose counts a plan has no values of
+    ("float32", {}, {}),
+    ("float64", {}, {"dp": 2, "ep": 2}),
+    # dropless, T·k = 2·2·15 = 60 assignments over 8 experts: the 4 left over go somewhere
+    ("bfloat16", {"capacity_factor": 0.0, "seq_len": 15}, {"dp": 2, "ep": 2}),
+    ("float32", {"capacity_factor": 0.0, "seq_len": 15}, {}),
+    # an expert width of 7 bf16 values (14-byte rows): torch._grouped_mm refuses it, the loop runs
+    ("bfloat16", {"expert_d_ff": 7}, {}),
+    ("bfloat16", {"expert_d_ff": 7}, {"dp": 2, "ep": 2}),
+], ids=["fp32", "fp64-ep2", "dropless-remainder-ep2", "dropless-remainder-fp32", "unaligned-bf16", "unaligned-bf16-ep2"])
+def test_moe_plans_at_any_dtype_and_shape(dtype, model_kw, layout_kw):
+    """A plan of an MoE layout runs whatever its dtype and shapes (each case here crashed a
+    plan before: a loop over the experts read counts a meta tensor has no values of; balanced
+    dropless counts dropped the T·k mod E left over, so the dispatch's sizes did not add up;
+    grouped GEMMs were priced at widths their kernels refuse), and its peak is what the
+    program holds (playground/memory_audit.py)."""
+    from playground.memory_audit import audit
+    run = RunConfig(model=preset("small-moe", **model_kw), layout=Layout(micro_batch_size=2, **layout_kw), dtype=dtype,
+                    hardware="h200", progress=False)
+    p = plan(run)
+    assert all(v["step"]["time"] > 0 and v["memory"]["peak_total"] > 0 for v in p.values)
+    for r in audit(run):
+        assert abs(r["missed"]) <= 0.01 * r["tracked"], r
+
+
+def test_grouped_gemms_apply_only_to_widths_their_kernels_take():
+    import torch
+    from model.moe import grouped_mm_applies
+    x = torch.empty(4, 64, dtype=torch.bfloat16, device="meta")
+    assert grouped_mm_applies(x, torch.empty(2, 32, 64, device="meta"))
+    assert not grouped_mm_applies(x, torch.empty(2, 7, 64, device="meta"))
+    assert not grouped_mm_applies(x[:, :12], torch.empty(2, 32, 12, device="meta"))
+    assert not grouped_mm_applies(x.float(), torch.empty(2, 32, 64, device="meta"))
