@@ -364,6 +364,8 @@ class ZeroDataParallel(nn.Module):
     def _reduce(self, u) -> None:
         """Start the reduction of unit `u`'s gradient."""
         buf = u.grad_flat if self.reduce_dtype == self.grad_dtype else u.grad_flat.to(self.reduce_dtype)
+        if buf is not u.grad_flat:  # (the copy in the reduction's dtype lives until its result is collected)
+            self._buffer(buf.nbytes, made=buf)
         label = f"{self.label}.grads.{u.name}"
         if self.stage == 0:
             work = self.group.all_reduce(buf, op=ReduceOp.AVG, async_op=True, label=label)
@@ -397,6 +399,8 @@ class ZeroDataParallel(nn.Module):
 
     def _collect(self, u, buf) -> None:
         """Keep unit `u`'s reduced gradient from `buf` (its shard, at stages 1-3)."""
+        if buf is not u.grad_flat:  # (the copy in the reduction's dtype: freed below)
+            self._buffer(-buf.nbytes)
         if self.stage >= 2:
             if u.grad_shard is None:
                 u.grad_shard = buf[u.lo:u.hi].to(self.grad_dtype, copy=True)
