@@ -399,8 +399,7 @@ class ZeroDataParallel(nn.Module):
 
     def _collect(self, u, buf) -> None:
         """Keep unit `u`'s reduced gradient from `buf` (its shard, at stages 1-3)."""
-        if buf is not u.grad_flat:  # (the copy in the reduction's dtype: freed below)
-            self._buffer(-buf.nbytes)
+        cast = buf is not u.grad_flat  # (the copy in the reduction's dtype: let go of at the end)
         if self.stage >= 2:
             if u.grad_shard is None:
                 u.grad_shard = buf[u.lo:u.hi].to(self.grad_dtype, copy=True)
@@ -413,6 +412,8 @@ class ZeroDataParallel(nn.Module):
             part = slice(None) if self.stage == 0 else slice(u.lo, u.hi)
             u.grad_flat[part].copy_(buf[part])
         u.reduce = None
+        if cast:
+            self._buffer(-buf.nbytes)
 
     def _end_of_backward(self) -> None:
         if not self.finish_at_step:
