@@ -214,8 +214,7 @@ class Experts(nn.Module):
         if grouped_mm_applies(x, self.w_gate):
             return self._grouped(x, counts)
         if isinstance(counts, torch.Tensor) and counts.is_meta:  # (a plan: no values; the rows split evenly)
-            per, extra = divmod(x.shape[0], self.w_gate.shape[0])
-            counts = [per + (e < extra) for e in range(self.w_gate.shape[0])]
+            counts = even_split(x.shape[0], self.w_gate.shape[0])
         counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
         out, start = [], 0
         for e, n in enumerate(counts):
@@ -361,16 +360,22 @@ def capacity(c, tokens: int) -> int | None:
     return math.ceil(c.capacity_factor * c.top_k * tokens / c.n_experts) if c.capacity_factor else None
 
 
+def even_split(n: int, parts: int) -> list:
+    """n split into `parts` as evenly as can be, the left-over ones one each to the first."""
+    per, extra = divmod(n, parts)
+    return [per + (i < extra) for i in range(parts)]
+
+
 def _balanced(probs, T: int, c) -> Routing:
     """On the meta device (planning: shapes only, no data to route) every expert gets an
     equal share of the assignments, up to its capacity (the T·k mod E left over dropped, as
     `choose` keeps on meta); dropless, every assignment, the left-over ones one each to the
     first experts."""
     E, k = c.n_experts, c.top_k
-    per, extra = divmod(T * k, E)
+    per = T * k // E
     cap = capacity(c, T)
     if cap is None:
-        counts = torch.tensor([per + (e < extra) for e in range(E)], dtype=torch.long)
+        counts = torch.tensor(even_split(T * k, E), dtype=torch.long)
         routed = counts.clone()
     else:
         counts, routed = torch.full((E,), min(per, cap), dtype=torch.long), torch.full((E,), per, dtype=torch.long)
