@@ -65,8 +65,7 @@ class LiveBytes(CountsMade):
         self.live -= self._sizes.pop(sid, 0)
         weakref.finalize(s, self._states.discard, sid)
 
-    def _count(self, t: torch.Tensor) -> None:
-        s = t.untyped_storage()
+    def _count(self, s: torch.UntypedStorage) -> None:
         sid = s._cdata
         if sid in self._sizes or sid in self._states:
             return

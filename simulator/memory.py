@@ -104,11 +104,14 @@ class MemoryTracker:
         """Count `t`'s storage in `category` until the storage itself is freed, keeping nothing
         alive: what a recomputation makes, held by torch.utils.checkpoint outside the
         saved-tensor hooks (activation_checkpointing/checkpoint.py)."""
-        s = t.untyped_storage()
+        self.watch_storage(t.untyped_storage(), category)
+
+    def watch_storage(self, s: torch.UntypedStorage, category: str = "activations") -> None:
+        """`watch` of a storage itself (what a fused region leaves, `CountsMade`)."""
         if s._cdata in self._exclude or s.nbytes() == 0:
             return
-        self.claim(t)
         key = s._cdata
+        self._claim(key)
         if key in self._watched:
             return
         self._watched.add(key)
@@ -170,14 +173,18 @@ class MemoryTracker:
     def temporary(self, t: torch.Tensor) -> None:
         """Count `t`'s storage (made by an op in backward) until the storage is freed (not
         the tensor: autograd passes a gradient on in tensors of its own, and a view keeps it)."""
-        nbytes = t.untyped_storage().nbytes()
+        self.temporary_storage(t.untyped_storage())
+
+    def temporary_storage(self, s: torch.UntypedStorage) -> None:
+        """`temporary` of a storage itself (what a fused region leaves, `CountsMade`)."""
+        nbytes = s.nbytes()
         if nbytes == 0:
             return
         self.temporaries += nbytes
         self.peak_temporaries = max(self.peak_temporaries, self.temporaries)
         self._transient_changed()
-        sid = storage_id(t)
-        self._temporary[sid] = (nbytes, weakref.finalize(t.untyped_storage(), self._temporary_freed, sid, nbytes))
+        sid = s._cdata
+        self._temporary[sid] = (nbytes, weakref.finalize(s, self._temporary_freed, sid, nbytes))
 
     def _temporary_freed(self, sid: int, nbytes: int) -> None:
         self.temporaries -= nbytes
@@ -188,7 +195,10 @@ class MemoryTracker:
     def claim(self, t: torch.Tensor) -> None:
         """A strategy counts `t` (made in backward) in a category of its own (`buffer`,
         `gradients`): it is no longer a temporary."""
-        entry = self._temporary.pop(storage_id(t), None)
+        self._claim(storage_id(t))
+
+    def _claim(self, sid: int) -> None:
+        entry = self._temporary.pop(sid, None)
         if entry is not None and entry[1].detach() is not None:  # (not yet freed)
             self.temporaries -= entry[0]
 
@@ -286,25 +296,28 @@ def _tensors(x):
 
 
 class CountsMade(TorchDispatchMode):
-    """A dispatch mode that counts the tensors ops make (`made`, which subclasses call and
+    """A dispatch mode that counts the storages ops make (`made`, which subclasses call and
     `_count` counts), except inside a fused region (`fused`: ops a GPU runs as one kernel,
-    model/regions.py), whose intermediate tensors never exist on the GPU: only what the
-    region made and still holds at its end (its outputs) counts, from then on."""
+    model/regions.py), whose intermediate tensors never exist on the GPU: only the storages
+    the region made that are alive at its end (its outputs, and what autograd saved from
+    it) count, from then on. Storages, not tensors: what autograd saves in a recomputation
+    (torch.utils.checkpoint) is a detached view of the op's output, whose own tensor is
+    gone by the region's end while its storage lives on."""
 
     def __init__(self):
         super().__init__()
-        self._made = None  # inside a fused region: weak references to what its ops made
+        self._made = None  # inside a fused region: weak references to the storages its ops made
         self._inlined = False  # inside `inlined`
 
     def made(self, t: torch.Tensor) -> None:
         if self._inlined:
             return
         if self._made is None:
-            self._count(t)
+            self._count(t.untyped_storage())
         else:
-            self._made.append(weakref.ref(t))
+            self._made.append(weakref.ref(t.untyped_storage()))
 
-    def _count(self, t: torch.Tensor) -> None:
+    def _count(self, s: torch.UntypedStorage) -> None:
         raise NotImplementedError
 
     @contextlib.contextmanager
@@ -326,10 +339,10 @@ class CountsMade(TorchDispatchMode):
             made, self._made = self._made, None
             seen = set()
             for ref in made:
-                t = ref()
-                if t is not None and storage_id(t) not in seen:
-                    seen.add(storage_id(t))
-                    self._count(t)
+                s = ref()
+                if s is not None and s._cdata not in seen:
+                    seen.add(s._cdata)
+                    self._count(s)
 
 
 class _BackwardTemporaries(CountsMade):
@@ -357,11 +370,11 @@ class _BackwardTemporaries(CountsMade):
                 self.made(t)
         return out
 
-    def _count(self, t: torch.Tensor) -> None:
-        """A tensor an op made in backward: a temporary; in a recomputation (gradients on:
-        a checkpointed block's forward run again), an activation for as long as its storage
-        lives, since torch.utils.checkpoint keeps what the block saves outside the hooks."""
+    def _count(self, s: torch.UntypedStorage) -> None:
+        """A storage an op made in backward: a temporary; in a recomputation (gradients on:
+        a checkpointed block's forward run again), an activation for as long as it lives,
+        since torch.utils.checkpoint keeps what the block saves outside the hooks."""
         if torch.is_grad_enabled():
-            self.tracker.watch(t)
+            self.tracker.watch_storage(s)
         else:
-            self.tracker.temporary(t)
+            self.tracker.temporary_storage(s)

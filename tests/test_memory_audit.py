@@ -5,7 +5,8 @@ before the tracker was told of what it missed (a pipeline's stage outputs, recei
 gradients and sends; split backward's inputs held until W, and the graph they kept; a
 recomputed block's activations; temporaries counted by their tensor, not their storage; a
 MoE layer's compiled regions run as eager graphs, which keep more than the GPU's; an
-all-to-all's buffers kept by its Work until backward)."""
+all-to-all's buffers kept by its Work until backward; what a fused region leaves counted by
+its tensors, not its storages, which missed what a recomputation saves)."""
 import pytest
 import torch
 
@@ -214,9 +215,15 @@ DSMOE = MODEL.with_(n_experts=8, top_k=2, expert_d_ff=384, n_shared_experts=1, r
                     bias_update_rate=0.001, capacity_factor=0.0, aux_loss="sequence", aux_loss_coef=1e-4)
 # (dsmoe at ep 2: its shared expert runs while the combine is in flight, whose Work held both
 # of the call's buffers until backward)
-MOE_LAYOUTS = [("moe", MOE, {}), ("moe-dp2-ep2", MOE, {"dp": 2, "ep": 2}), ("dsmoe-dp2-ep2", DSMOE, {"dp": 2, "ep": 2})]
+# (under recomputation the regions run again inside backward, op by op, and torch's checkpoint
+# keeps what they save as detached views: the regions' own tensors are gone by their end, their
+# storages not; counted by tensor, full recomputation's peak was missed by half)
+MOE_LAYOUTS = [("moe", MOE, {}), ("moe-dp2-ep2", MOE, {"dp": 2, "ep": 2}), ("dsmoe-dp2-ep2", DSMOE, {"dp": 2, "ep": 2}),
+               ("moe-ac-selective", MOE, {"ac": "selective"}), ("moe-ac-full", MOE, {"ac": "full"})]
 SLOW_MOE_LAYOUTS = [("dsmoe", DSMOE, {}), ("moe-ep2-tp2-sp", MOE, {"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}),
-                    ("dsmoe-capacity-dp2-ep2", DSMOE.with_(capacity_factor=1.0), {"dp": 2, "ep": 2})]
+                    ("dsmoe-capacity-dp2-ep2", DSMOE.with_(capacity_factor=1.0), {"dp": 2, "ep": 2}),
+                    ("moe-dp2-ep2-ac-selective-op", MOE, {"dp": 2, "ep": 2, "ac": "selective-op"}),
+                    ("dsmoe-tp2-sp-ac-full", DSMOE, {"tp": 2, "sequence_parallel": True, "ac": "full"})]
 
 
 @pytest.mark.parametrize("name,model,kw", MOE_LAYOUTS, ids=[m[0] for m in MOE_LAYOUTS])
@@ -271,7 +278,7 @@ def test_a_pipeline_executor_that_tells_the_tracker_nothing_fails_the_audit(monk
 def test_recomputation_left_uncounted_fails_the_audit(monkeypatch):
     """Sabotage: what a checkpointed block's recomputation makes is not counted (torch's
     checkpoint holds it outside the saved-tensor hooks): full recomputation's peak is missed."""
-    monkeypatch.setattr(MemoryTracker, "watch", lambda self, t, category="activations": None)
+    monkeypatch.setattr(MemoryTracker, "watch_storage", lambda self, s, category="activations": None)
     with pytest.raises(AssertionError, match="the tracker counted"):
         _check({"ac": "full"})
 
