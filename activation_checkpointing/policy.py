@@ -38,6 +38,16 @@ KEEP = _packets("mm", "addmm", "bmm", "baddbmm", "_scaled_mm",
                 "sort")
 
 
+def _keeps(func) -> bool:
+    """Whether `func` is one whose output the policy keeps: an op of KEEP that makes its
+    output, not one that writes into a tensor it is given (`out=`, in place). Inductor's code
+    for a compiled region inside the block (model/compiled.py) calls its matmuls so, into
+    buffers it reuses for later kernels of the region: a kept output would be overwritten
+    before the recomputation takes it back (torch's checkpoint refuses it: "Tensor cached
+    during selective activation checkpoint has been mutated")."""
+    return func._overloadpacket in KEEP and not func._schema.is_mutable
+
+
 class SelectivePolicy:
     """`policy(ctx, func, *args, **kwargs)` of one checkpointed call: MUST_SAVE for the ops in
     KEEP, PREFER_RECOMPUTE for everything else; with `recompute_every` n, also for each n-th
@@ -55,10 +65,10 @@ class SelectivePolicy:
         tracker asks once the op has run)."""
         if self.last is not None and self.last[0] is func:
             return self.last[1]
-        return func._overloadpacket in KEEP and not (self.every and func._overloadpacket is aten.mm)
+        return _keeps(func) and not (self.every and func._overloadpacket is aten.mm)
 
     def __call__(self, ctx, func, *args, **kwargs):
-        keep = func._overloadpacket in KEEP
+        keep = _keeps(func)
         if keep and self.every and func._overloadpacket is aten.mm:
             self.matmuls[ctx.is_recompute] += 1
             keep = self.matmuls[ctx.is_recompute] % self.every != 0

@@ -144,6 +144,46 @@ def test_each_mode_recomputes_its_matmuls(mode, recomputed):
         assert extra == collections.Counter(tuple(w.weight.t().shape) for w in (b.attn.wk, b.attn.wo, b.mlp.w_up))
 
 
+@pytest.mark.parametrize("every", [None, 2], ids=["selective", "selective-op"])
+def test_the_policy_keeps_no_output_an_op_writes_into_a_given_tensor(every):
+    """A compiled region inside a checkpointed block (the MoE layer's, model/compiled.py) runs
+    Inductor's code, which calls its matmuls with `out=` into buffers it reuses for later
+    kernels: kept, such an output is overwritten before the recomputation takes it back, and
+    torch's checkpoint refuses the step (1b-moe under --ac selective on an H100). The policy
+    keeps only the outputs ops make (here the out-of-place mm)."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from activation_checkpointing.policy import SelectivePolicy
+
+    class Compiled(torch.autograd.Function):  # (as Inductor's code: one buffer, two matmuls into it)
+        @staticmethod
+        def forward(ctx, x, w):
+            buf = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype)
+            torch.mm(x, w, out=buf)
+            y = buf.sin()
+            torch.mm(x, 2 * w, out=buf)
+            ctx.save_for_backward(x, w)
+            return y + buf
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            d = torch.cos(x @ w) * g + 2 * g
+            return d @ w.t(), None
+
+    def body(x, w):
+        return Compiled.apply(torch.mm(x, w).tanh(), w).sum()
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 3, dtype=torch.float64)
+    body(x, w).backward()
+    expected, x.grad = x.grad, None
+    checkpoint(body, x, w, use_reentrant=False,
+               context_fn=lambda: create_selective_checkpoint_contexts(SelectivePolicy(every))).backward()
+    torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
+
+
 def test_bad_ac_values_are_refused_with_the_reason():
     with pytest.raises(LayoutError, match="ac='partial'"):
         Layout(ac="partial").validate(CFG)
