@@ -23,8 +23,8 @@ forward adds up routing statistics; ZeRO-3's expert units, which keep their gath
 parameters instead of freeing them and prefetching the next unit).
 
 Modules with a `checkpointed` attribute learn whether their block is checkpointed (the MoE
-layers: a region with an autograd graph of its own, as a plan prices a compiled region's
-backward, cannot sit inside torch.utils.checkpoint's, model/compiled.py).
+layers, whose compiled region is not replayed as CUDA graphs inside a checkpointed block:
+model/compiled.py, `region`).
 
 Memory: autograd's saved-tensor hooks (the simulator's `MemoryTracker`) see what the
 checkpoint keeps of the block's inputs, but not the outputs the selective policy keeps
@@ -160,6 +160,6 @@ def checkpoint_blocks(model, mode: str) -> None:
         raise ValueError(f"activation checkpointing must be one of {', '.join(MODES)}, not {mode!r}")
     for block in model.blocks.values():
         block.recompute = None if mode == "none" else Recompute(mode, block)
-        for m in block.modules():  # (the MoE layers: a plan prices their compiled regions' backward by it)
+        for m in block.modules():  # (the MoE layers: no CUDA graphs inside a checkpointed block)
             if hasattr(m, "checkpointed"):
                 m.checkpointed = block.recompute is not None

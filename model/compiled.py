@@ -53,16 +53,17 @@ def region(name: str, io_bytes: int, fn, *args, checkpointed: bool = False, grap
     """fn(*args) as a GPU runs it: compiled on CUDA (`fused_on`); priced by the simulator as
     one kernel moving io_bytes (a plan's meta ranks, and CPU ranks with simulated time, run
     its ops one by one); on the meta device with the tensors saved for backward and the
-    backward a compiled region has (`partitioned`), elsewhere op by op (the CPU's arithmetic,
-    the float64 check's included, left as it is), and so inside an activation-checkpointed
-    block (`checkpointed`): torch.utils.checkpoint recomputes what the graph saves when its
-    backward first unpacks it, and an autograd graph built inside a custom Function's
-    forward would be recomputed apart from the block's (twice, or refused under a selective
-    policy). `graph`: the call site's CUDA graphs (model/cuda_graphs.py), which replay the
-    compiled region on a GPU, outside a checkpointed block."""
+    backward a compiled region has (`partitioned`), inside an activation-checkpointed block
+    too, where a GPU runs the compiled region in the forward, again in the recomputation and
+    its compiled backward after (torch's checkpoint recomputes the region's autograd Function
+    as it does any op of the block); elsewhere op by op (the CPU's arithmetic, the float64
+    check's included, left as it is). `graph`: the call site's CUDA graphs
+    (model/cuda_graphs.py), which replay the compiled region on a GPU, outside a
+    checkpointed block (`checkpointed`: a replay rewrites the outputs the checkpoint would
+    keep)."""
     t = args[0]
     with fused_kernel(io_bytes, name):
-        if t.is_meta and torch.is_grad_enabled() and not checkpointed:
+        if t.is_meta and torch.is_grad_enabled():
             return partitioned(fn, name, *args)
         if graph is not None and t.is_cuda and not checkpointed:
             return graph(fn, *args)
