@@ -170,13 +170,9 @@ class MemoryTracker:
             self.peak_transient = now
             self.at_peak = (self.activations, self.comm_buffers, self.temporaries, self.step_gradients)
 
-    def temporary(self, t: torch.Tensor) -> None:
-        """Count `t`'s storage (made by an op in backward) until the storage is freed (not
-        the tensor: autograd passes a gradient on in tensors of its own, and a view keeps it)."""
-        self.temporary_storage(t.untyped_storage())
-
-    def temporary_storage(self, s: torch.UntypedStorage) -> None:
-        """`temporary` of a storage itself (what a fused region leaves, `CountsMade`)."""
+    def temporary(self, s: torch.UntypedStorage) -> None:
+        """Count storage `s` (made by an op in backward) until it is freed (the storage, not a
+        tensor: autograd passes a gradient on in tensors of its own, and a view keeps it)."""
         nbytes = s.nbytes()
         if nbytes == 0:
             return
@@ -377,4 +373,4 @@ class _BackwardTemporaries(CountsMade):
         if torch.is_grad_enabled():
             self.tracker.watch_storage(s)
         else:
-            self.tracker.temporary_storage(s)
+            self.tracker.temporary(s)
