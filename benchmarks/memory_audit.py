@@ -8,8 +8,9 @@ lives; compared over the second step's forward and backward, bf16 with compute c
    activations outweigh the few small tensors the two count differently) across the
    strategies and schedules, and of its mixture-of-experts variants (4 experts top-2; 8
    fine-grained experts top-2 beside a shared one, dropless and at a capacity) alone and
-   under expert parallelism, and a few layouts in float32, float64 and float16: per rank, the tracker's peak of transient bytes, the live
-   bytes' peak, and what the tracker misses (live − tracked, as a share of tracked).
+   under expert parallelism, and a few layouts in float32, float64 and float16: per rank,
+   the tracker's peak of transient bytes, the live bytes' peak, and what the tracker misses
+   (live − tracked, as a share of tracked).
 2. The layouts measured on H200s that a plan compares with (benchmarks/fidelity.py: the
    one-GPU rows of 1b and the two-GPU pipelines, TP, CP and DP rows of run13-run16, run27;
    1b-moe and 1b-dsmoe on one GPU, run68),

@@ -10,16 +10,17 @@ its tensors, not its storages, which missed what a recomputation saves)."""
 import pytest
 import torch
 
+from benchmarks.memory_audit import DSMOE, MODEL, MOE
 from model import preset
 from playground import Layout, RunConfig
 from playground.memory_audit import audit
 from simulator import MemoryTracker
 from simulator.live_bytes import LiveBytes
 
-# big enough that the bytes of the step's activations outweigh the few small tensors the two
-# count differently (the rotary tables, made before the step and saved in it: the tracker
-# counts them, the live count had them already), small enough to plan in a fraction of a second
-MODEL = preset("tiny", d_model=256, d_ff=768, n_layers=4, seq_len=128, vocab_size=256, n_heads=4)
+# benchmarks/memory_audit.py's models: MODEL big enough that the bytes of the step's
+# activations outweigh the few small tensors the two count differently (the rotary tables,
+# made before the step and saved in it: the tracker counts them, the live count had them
+# already), small enough to plan in a fraction of a second; its MoE variants below
 WITHIN = 0.01  # of the tracked peak
 
 
@@ -209,10 +210,8 @@ def test_the_tracker_counts_what_the_program_holds_in_other_dtypes_and_layouts(c
 # mixture of experts, whose layer runs as compiled regions (model/compiled.py): one on a rank
 # that keeps its experts' tokens, routing, balancing losses, the slots' pad and unpad and the
 # local experts where they go to other ranks; a plan runs each as the graphs AOTAutograd's
-# partition makes, which keep what a GPU's compiled region keeps
-MOE = MODEL.with_(n_experts=4, top_k=2)
-DSMOE = MODEL.with_(n_experts=8, top_k=2, expert_d_ff=384, n_shared_experts=1, router="sigmoid",
-                    bias_update_rate=0.001, capacity_factor=0.0, aux_loss="sequence", aux_loss_coef=1e-4)
+# partition makes, which keep what a GPU's compiled region keeps (MOE: 4 experts top-2; DSMOE:
+# 8 fine-grained experts top-2 beside a shared one, dropless)
 # (dsmoe at ep 2: its shared expert runs while the combine is in flight, whose Work held both
 # of the call's buffers until backward)
 # (under recomputation the regions run again inside backward, op by op, and torch's checkpoint
