@@ -223,6 +223,10 @@ class _Partitioned(torch.autograd.Function):
         if graphs.backward is None:
             return (None,) * (1 + ctx.n_args)
         tangents = [g for g, d in zip(grads, graphs.differentiable) if d]
+        # (unpacked before the compiled graph: inside an activation-checkpointed block the
+        # first unpack recomputes the block, whose ops a GPU launches one by one, its compiled
+        # regions' forwards among them, before the AOTAutograd backward's one call)
+        saved = ctx.saved_tensors
         with compiled_kernels(f"{graphs.name}_backward"):
-            got = _Backward(graphs).run(*ctx.saved_tensors, *tangents)
+            got = _Backward(graphs).run(*saved, *tangents)
         return (None, *got)
