@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from model.dropout import generators
-from model.regions import activation_tracker
+from model.regions import activation_tracker, selective_checkpoint
 
 from . import MODES
 from .policy import SelectivePolicy
@@ -81,12 +81,19 @@ class _Region:
     def __call__(self, *args):
         if not self.ran:
             self.ran = True
-            return self.body(*args)
+            with self._dispatched():
+                return self.body(*args)
         for handle in self.kept:  # recomputation takes the kept outputs back: they count
             handle.tracker.watch(handle.tensor)  # until the block's backward frees them
         self.kept.clear()
-        with _recomputing(self.modules), _replaying(self.rng):
+        with _recomputing(self.modules), _replaying(self.rng), self._dispatched():
             return self.body(*args)
+
+    def _dispatched(self):
+        """Under a selective policy torch's checkpoint runs each op of the forward and of the
+        recomputation through its Python dispatch mode, a host cost per op (the simulator's
+        `selective_checkpoint`); under full recomputation no mode is pushed."""
+        return selective_checkpoint() if self.policy is not None else contextlib.nullcontext()
 
     def contexts(self):
         forward, recompute = create_selective_checkpoint_contexts(self.policy)

@@ -3,7 +3,8 @@ CPU and meta ranks run op by op, priced and counted as that one kernel (`fused_k
 `optimizer_kernel`: the compute model, simulator/compute_model.py; the memory tracker,
 simulator/memory.py); the kernels of one compiled graph, which a GPU launches from one call
 (`compiled_kernels`: the compute model), and within one the ops fused into their consumers
-(`inlined`); the generation of its flash attention kernels
+(`inlined`); the ops a selective checkpoint's dispatch mode sees (`selective_checkpoint`);
+the generation of its flash attention kernels
 (`attention_kernels`); a storage resized (`resize_storage`); a pipeline stage's compute action
 (`pipeline_action`, which a bubble measurement charges a fixed cost); and the tracker
 counting activations now (`activation_tracker`).
@@ -66,6 +67,18 @@ def inlined():
         for mode in _modes():
             if hasattr(mode, "inlined"):
                 stack.enter_context(mode.inlined())
+        yield
+
+
+@contextlib.contextmanager
+def selective_checkpoint():
+    """The ops inside pass through torch's selective-checkpoint dispatch mode (a block's
+    forward or recomputation under a selective policy), for the compute model when it is on
+    (`selective_checkpoint`: the host's extra cost per op). Else nothing."""
+    with contextlib.ExitStack() as stack:
+        for mode in _modes():
+            if hasattr(mode, "selective_checkpoint"):
+                stack.enter_context(mode.selective_checkpoint())
         yield
 
 

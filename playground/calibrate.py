@@ -25,6 +25,11 @@ from the `--base` profile (datasheet numbers); what is fitted:
   sequence 16, where every kernel is short) over its kernel count: what the host spends
   per op in eager PyTorch, autograd included; at least the time per op of a bare chain of
   tiny adds.
+- `selective_floor`: what selective activation checkpointing adds to the host's time per op
+  of a checkpointed block (torch's selective checkpoint runs each op of the forward and of
+  the recomputation through a Python dispatch mode): a chain of tiny adds checkpointed
+  under the selective policy, forward and backward, less the same under full
+  recomputation, over the ops the mode sees.
 - `collective_floor`: the host's time per collective call through the process group
   (issued and waited back to back, tiny all_reduces, whose device time is shorter); with
   one rank none is measured and a call costs one `kernel_floor`.
@@ -175,6 +180,29 @@ def measure_floor(device, ops: int = 200) -> float:
             y = y + 1
         return y
     return timed(chain, device) / ops
+
+
+def measure_selective_floor(device, ops: int = 200) -> float:
+    """Seconds selective activation checkpointing adds to the host per op of a checkpointed
+    block: a chain of `ops` tiny adds checkpointed under the selective policy, forward and
+    backward, less the same under full recomputation, over the 2·`ops` ops its dispatch mode
+    sees (each in the forward and again in the recomputation); at least 0."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+
+    from activation_checkpointing.policy import SelectivePolicy
+    x = torch.ones(8, device=device, requires_grad=True)
+
+    def chain(y):
+        for _ in range(ops):
+            y = y + 1
+        return y
+
+    def step(context):
+        return lambda: checkpoint(chain, x, use_reentrant=False, preserve_rng_state=False,
+                                  context_fn=context).sum().backward()
+    selective = step(lambda: create_selective_checkpoint_contexts(SelectivePolicy()))
+    full = step(noop_context_fn)
+    return max(0.0, (timed(selective, device, repeats=7) - timed(full, device, repeats=7)) / (2 * ops))
 
 
 def op_class(name: str) -> str:
@@ -341,7 +369,7 @@ def measure(world, cfg: GPTConfig, micro_batch: int, max_mib: float, device: str
            "matmul_fp32": measure_matmuls(cfg, tokens, device, torch.float32),
            "attention": measure_attention(cfg, micro_batch, device),
            "elementwise": measure_elementwise(cfg, tokens, device),
-           "floor": measure_floor(device), "one_layer": measure_model_kernels(cfg, micro_batch, device),
+           "floor": measure_floor(device), "selective_floor": measure_selective_floor(device), "one_layer": measure_model_kernels(cfg, micro_batch, device),
            "collectives": []}
     if world.size > 1:
         out["collective_floor"] = measure_collective_floor(world, device)
@@ -374,7 +402,7 @@ def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     hw = dataclasses.replace(
         base, name=name, matmul_fraction=matmul_fraction, fp32_flops=fp32, attention_fraction=attention_fraction,
-        hbm_fraction=hbm_fraction, kernel_floor=floor, hbm_capacity=float(m["capacity"] or base.hbm_capacity),
+        hbm_fraction=hbm_fraction, kernel_floor=floor, selective_floor=m["selective_floor"], hbm_capacity=float(m["capacity"] or base.hbm_capacity),
         collective_floor=m["collective_floor"]["playground_s"] if "collective_floor" in m else None,
         nvlink_latency=alpha, nvlink_bandwidth=bandwidth,
         source=f"playground calibrate on {p}× {m['device']} ({when}); peaks, HBM bandwidth and network from "
@@ -449,6 +477,8 @@ def summary(hw: Hardware, record: dict) -> str:
              f"per kernel {spread(record['elementwise'])})",
              f"  kernel_floor       {hw.kernel_floor * 1e6:.1f} µs  (host per op of a tiny forward and backward; "
              f"a chain of adds: {record['chain_floor_s'] * 1e6:.1f} µs)",
+             f"  selective_floor    {hw.selective_floor * 1e6:.1f} µs  (host per op a selective checkpoint's "
+             f"dispatch mode adds, in the forward and the recomputation: a chain of adds)",
              _one_layer_line(record["one_layer"]),
              f"  collective_floor   {hw.call_floor * 1e6:.1f} µs  (host per collective call"
              + (f"; torch.distributed alone {record['collective_floor']['torch_s'] * 1e6:.1f} µs)"

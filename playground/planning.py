@@ -259,6 +259,10 @@ def summary(p: Plan, headroom: float = DEFAULT_HEADROOM) -> str:
                 "every rank run: the ranks of a stage sit differently across nodes)")]
     if unpriced:
         lines.append(unpriced)
+    if layout.ac in ("selective", "selective-op") and hw.selective_floor is None:
+        lines.append(f"(--ac {layout.ac}: what selective checkpointing's dispatch mode costs the host per op, "
+                     f"not measured on {run.hardware}, is not priced; a host-bound step can run slower than under "
+                     f"full recomputation: `playground calibrate` measures it)")
     pipeline = layout.pp > 1
     rows = [[f"{v['step']['time'] * 1e3:.2f} ms", f"{v['step']['compute'] * 1e3:.2f} ms",
              f"{v['step']['host'] * 1e3:.2f} ms", f"{v['step']['exposed_comm'] * 1e3:.2f} ms", f"{v['step']['idle'] * 1e3:.2f} ms"]

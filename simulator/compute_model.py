@@ -210,6 +210,7 @@ class ComputeModel(TorchDispatchMode):
         self.slowdown = 1.0  # this rank's kernels take this many times as long (an injected slow rank)
         self.attention_speed = 1.0  # the flash kernels' speed relative to the profile's (`attention_kernels`)
         self._inlined = False  # inside `inlined`
+        self.extra_floor = 0.0  # host seconds each op costs beside the floor (`selective_checkpoint`)
 
     def _classify(self, func):
         packet = func._overloadpacket
@@ -272,7 +273,7 @@ class ComputeModel(TorchDispatchMode):
         cost = max(seconds, nbytes / self.byte_rate) * self.slowdown
         self.bytes += nbytes
         self.kernels += 1
-        self.clock.launch(self.floor * self.slowdown, cost, name)
+        self.clock.launch((self.floor + self.extra_floor) * self.slowdown, cost, name)
         if self.by_op is not None:
             row = self.by_op.setdefault(name, [0, 0.0, 0])
             row[0], row[1], row[2] = row[0] + 1, row[1] + cost, row[2] + nbytes
@@ -330,6 +331,14 @@ class ComputeModel(TorchDispatchMode):
         that consume their outputs (what Inductor fuses there: a compiled backward's
         recomputation of what its forward did not save): their FLOPs count, their bytes none."""
         with scoped(self, "_inlined", True):
+            yield self
+
+    @contextlib.contextmanager
+    def selective_checkpoint(self):
+        """The ops inside run through torch's selective-checkpoint dispatch mode (a
+        checkpointed block's forward or recomputation under a selective policy): each costs
+        the host the profile's `selective_floor` beside its floor (none where unmeasured)."""
+        with scoped(self, "extra_floor", self.hw.selective_floor or 0.0):
             yield self
 
     @contextlib.contextmanager

@@ -42,6 +42,9 @@ above with these; override them with a profile file):
   host queue); a collective call costs the host one floor too unless the profile gives
   `collective_floor` (calibrate measures it: the process group's bookkeeping, the
   backend's call and its wait);
+- no `selective_floor`: what selective activation checkpointing's Python dispatch mode adds
+  to the host's cost per op is not priced (calibrate measures it: on one H100's host it
+  made 1b-moe's host-bound step 1.6 times its full recomputation's);
 - latencies α: 2 µs per NVLink step and 5 µs per network step, of the order of NCCL's
   own tuning model for its Simple protocol.
 The `h200` profile is not the datasheet's: `playground calibrate` fitted it on 2× H200
@@ -49,7 +52,7 @@ The `h200` profile is not the datasheet's: `playground calibrate` fitted it on 2
 tiles and the attention table by shape that benchmarks/shapes_gpu.py measured on an H200
 (its `sources`).
 A profile file (TOML or JSON) holds the same keys (`source` optional; `collective_floor`,
-`sm_count`, `matmul_tiles`, `attention_table` and `overlap_slowdown` optional; a `calibration` table, as
+`sm_count`, `matmul_tiles`, `attention_table`, `overlap_slowdown` and `selective_floor` optional; a `calibration` table, as
 calibrate writes, and a `sources` table citing each number are kept for the record and not
 read); missing keys are an error.
 """
@@ -96,6 +99,11 @@ class Hardware:
     attention_table: dict | None = None
     # how much slower compute runs while a collective is in flight beside it (simulator/clock.py)
     overlap_slowdown: float = 0.0
+    # seconds selective activation checkpointing adds to the host's issuing of each op of a
+    # checkpointed block, in its forward and in its recomputation: torch's selective
+    # checkpoint runs every such op through a Python dispatch mode (its caching and its replay;
+    # `playground calibrate` measures it). None: not measured, nothing charged (a plan says so)
+    selective_floor: float | None = None
 
     @property
     def call_floor(self) -> float:
@@ -182,7 +190,7 @@ def profile_names() -> list:
     return sorted(set(PROFILES) | set(shipped))
 
 
-_OPTIONAL = ("collective_floor", "sm_count", "matmul_tiles", "attention_table", "overlap_slowdown")
+_OPTIONAL = ("collective_floor", "sm_count", "matmul_tiles", "attention_table", "overlap_slowdown", "selective_floor")
 
 
 def hardware_from_dict(data: dict, where: str = "profile") -> Hardware:
@@ -218,7 +226,8 @@ def hardware_from_dict(data: dict, where: str = "profile") -> Hardware:
 
 
 _FRACTIONS = ("matmul_fraction", "hbm_fraction", "attention_fraction")  # of a peak: in (0, 1]
-_AT_LEAST_ZERO = ("nvlink_latency", "network_latency", "kernel_floor", "collective_floor", "overlap_slowdown")
+_AT_LEAST_ZERO = ("nvlink_latency", "network_latency", "kernel_floor", "collective_floor", "overlap_slowdown",
+                  "selective_floor")
 
 
 def _out_of_range(name: str, x):

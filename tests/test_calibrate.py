@@ -52,6 +52,7 @@ def test_calibrate_writes_a_profile_that_plan_takes(tmp_path):
     hw = load_hardware(str(out))
     assert hw.name == "cpu" and "calibrate on 2× cpu" in hw.source and hw.kernel_floor > 0
     assert "collective_floor" in r.stdout and hw.collective_floor > 0  # measured on the 2 ranks
+    assert "selective_floor" in r.stdout and hw.selective_floor is not None and hw.selective_floor >= 0
     record = json.loads(out.read_text())["calibration"]
     assert {c["op"] for c in record["collectives"]} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
                                                         "send_recv"}
@@ -82,3 +83,10 @@ def test_the_shipped_h200_profile_is_calibrated_and_files_must_be_complete(tmp_p
     (tmp_path / "p.json").write_text(json.dumps(partial))
     with pytest.raises(ValueError, match=r"missing \['kernel_floor'\]"):
         load_hardware(str(tmp_path / "p.json"))
+
+
+def test_a_selective_checkpoints_dispatch_mode_costs_the_host_time_per_op():
+    """The selective policy's dispatch mode sees each op of a checkpointed chain in the forward
+    and the recomputation, and costs the host Python per op: on this CPU several µs."""
+    from playground.calibrate import measure_selective_floor
+    assert measure_selective_floor("cpu", ops=100) > 0
