@@ -27,9 +27,9 @@ from the `--base` profile (datasheet numbers); what is fitted:
   tiny adds.
 - `selective_floor`: what selective activation checkpointing adds to the host's time per op
   of a checkpointed block (torch's selective checkpoint runs each op of the forward and of
-  the recomputation through a Python dispatch mode): a chain of tiny adds checkpointed
-  under the selective policy, forward and backward, less the same under full
-  recomputation, over the ops the mode sees.
+  the recomputation through a Python dispatch mode): that tiny block checkpointed under the
+  selective policy recomputing every matmul, less the same under full recomputation (the
+  same kernels), over the ops the mode sees, views included.
 - `collective_floor`: the host's time per collective call through the process group
   (issued and waited back to back, tiny all_reduces, whose device time is shorter); with
   one rank none is measured and a call costs one `kernel_floor`.
@@ -182,29 +182,6 @@ def measure_floor(device, ops: int = 200) -> float:
     return timed(chain, device) / ops
 
 
-def measure_selective_floor(device, ops: int = 200) -> float:
-    """Seconds selective activation checkpointing adds to the host per op of a checkpointed
-    block: a chain of `ops` tiny adds checkpointed under the selective policy, forward and
-    backward, less the same under full recomputation, over the 2·`ops` ops its dispatch mode
-    sees (each in the forward and again in the recomputation); at least 0."""
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
-
-    from activation_checkpointing.policy import SelectivePolicy
-    x = torch.ones(8, device=device, requires_grad=True)
-
-    def chain(y):
-        for _ in range(ops):
-            y = y + 1
-        return y
-
-    def step(context):
-        return lambda: checkpoint(chain, x, use_reentrant=False, preserve_rng_state=False,
-                                  context_fn=context).sum().backward()
-    selective = step(lambda: create_selective_checkpoint_contexts(SelectivePolicy()))
-    full = step(noop_context_fn)
-    return max(0.0, (timed(selective, device, repeats=7) - timed(full, device, repeats=7)) / (2 * ops))
-
-
 def op_class(name: str) -> str:
     """The class of an aten op (profiler's "aten::mm" or the dispatcher's "mm"): matmul,
     attention, copy (casts and copies: torch's profiler puts their kernels on copy_) or
@@ -219,13 +196,21 @@ def op_class(name: str) -> str:
     return "elementwise"
 
 
-def one_layer_step(cfg: GPTConfig, micro_batch: int, device: str, layers: int = 1):
+def one_layer_step(cfg: GPTConfig, micro_batch: int, device: str, layers: int = 1, ac: str = "none",
+                   recompute_every: int | None = None):
     """A function running forward and backward of a one-block GPT of `cfg`'s shapes in bf16
     (the compute copies a mixed-precision run computes with) on `device`; `layers` blocks
-    where asked (benchmarks/host_floor_gpu.py times the host's cost across depths)."""
+    where asked (benchmarks/host_floor_gpu.py times the host's cost across depths), each
+    checkpointed in `ac` mode, a selective policy recomputing every `recompute_every`-th
+    matmul where given (activation_checkpointing/policy.py)."""
+    from activation_checkpointing import checkpoint_blocks
     from model import GPT
     one = cfg.with_(n_layers=layers)
     model = GPT(one, dtype=torch.bfloat16, device=device)
+    checkpoint_blocks(model, ac)
+    if recompute_every:
+        for block in model.blocks.values():
+            block.recompute.every = recompute_every
     shape = (micro_batch, one.seq_len + 1)
     tokens = (torch.empty(shape, dtype=torch.long, device="meta") if device == "meta"
               else torch.randint(0, one.vocab_size, shape, device=device))
@@ -244,6 +229,22 @@ def predicted_by_class(cfg, micro_batch, hw: Hardware) -> tuple:
         row = out.setdefault(op_class(name), [0, 0.0, 0])
         row[0], row[1], row[2] = row[0] + k, row[1] + t, row[2] + b
     return out, model.clock.compute
+
+
+def measure_selective_floor(cfg: GPTConfig, device: str) -> float:
+    """Seconds selective activation checkpointing adds to the host per op of a checkpointed
+    block: the tiny forward and backward of one block that `kernel_floor` times (batch 1,
+    sequence 16: the host's issuing is the step), checkpointed under the selective policy
+    recomputing every matmul (so the same kernels as full recomputation, less the attention
+    kernel's), less the same under full recomputation, over the ops its dispatch mode sees
+    there (the forward's and the recomputation's, views included: counted on meta tensors by
+    the compute model, with no floor but one second per such op); at least 0."""
+    tiny = cfg.with_(seq_len=16)
+    selective = timed(one_layer_step(tiny, 1, device, ac="selective", recompute_every=1), device, repeats=7)
+    full = timed(one_layer_step(tiny, 1, device, ac="full"), device, repeats=7)
+    counting = dataclasses.replace(load_hardware("h100-sxm"), kernel_floor=0.0, selective_floor=1.0)
+    seen = counted(one_layer_step(tiny, 1, "meta", ac="selective", recompute_every=1), counting).clock.issuing
+    return max(0.0, (selective - full) / seen)
 
 
 def measure_model_kernels(cfg, micro_batch, device) -> dict:
@@ -369,7 +370,7 @@ def measure(world, cfg: GPTConfig, micro_batch: int, max_mib: float, device: str
            "matmul_fp32": measure_matmuls(cfg, tokens, device, torch.float32),
            "attention": measure_attention(cfg, micro_batch, device),
            "elementwise": measure_elementwise(cfg, tokens, device),
-           "floor": measure_floor(device), "selective_floor": measure_selective_floor(device), "one_layer": measure_model_kernels(cfg, micro_batch, device),
+           "floor": measure_floor(device), "selective_floor": measure_selective_floor(cfg, device), "one_layer": measure_model_kernels(cfg, micro_batch, device),
            "collectives": []}
     if world.size > 1:
         out["collective_floor"] = measure_collective_floor(world, device)
@@ -478,7 +479,7 @@ def summary(hw: Hardware, record: dict) -> str:
              f"  kernel_floor       {hw.kernel_floor * 1e6:.1f} µs  (host per op of a tiny forward and backward; "
              f"a chain of adds: {record['chain_floor_s'] * 1e6:.1f} µs)",
              f"  selective_floor    {hw.selective_floor * 1e6:.1f} µs  (host per op a selective checkpoint's "
-             f"dispatch mode adds, in the forward and the recomputation: a chain of adds)",
+             f"dispatch mode adds, in the forward and the recomputation: that tiny block, selective less full)",
              _one_layer_line(record["one_layer"]),
              f"  collective_floor   {hw.call_floor * 1e6:.1f} µs  (host per collective call"
              + (f"; torch.distributed alone {record['collective_floor']['torch_s'] * 1e6:.1f} µs)"

@@ -246,6 +246,7 @@ class ComputeModel(TorchDispatchMode):
         if formula is False:
             if func._overloadpacket is torch.ops.aten._local_scalar_dense and self._fused is None:
                 self.synchronize()  # (inside a fused region it is the CPU implementation's, not the GPU's)
+            self._host_only()
             return out
         nbytes = _nbytes(args) + _nbytes(kwargs.values()) + _nbytes(out if isinstance(out, (list, tuple)) else (out,))
         seconds = 0.0
@@ -263,9 +264,16 @@ class ComputeModel(TorchDispatchMode):
                 self._fused[0] += seconds
             return out
         if nbytes == 0 and seconds == 0:  # no tensor, or empty ones: nothing launches
+            self._host_only()
             return out
         self._kernel(func._overloadpacket.__name__, seconds, nbytes)
         return out
+
+    def _host_only(self) -> None:
+        """An op that launches nothing (a view, an allocation): under a selective checkpoint's
+        dispatch mode it still costs the host the mode's Python (`selective_checkpoint`)."""
+        if self.extra_floor and self._fused is None:
+            self.clock.launch(self.extra_floor * self.slowdown, 0.0, None)
 
     def _kernel(self, name: str, seconds: float, nbytes: int) -> None:
         """One kernel of max(its FLOP time, its bytes' time), issued by the host one floor
@@ -337,7 +345,8 @@ class ComputeModel(TorchDispatchMode):
     def selective_checkpoint(self):
         """The ops inside run through torch's selective-checkpoint dispatch mode (a
         checkpointed block's forward or recomputation under a selective policy): each costs
-        the host the profile's `selective_floor` beside its floor (none where unmeasured)."""
+        the host the profile's `selective_floor` beside its floor, views and ops that launch
+        nothing too, which the mode sees alike (none where unmeasured)."""
         with scoped(self, "extra_floor", self.hw.selective_floor or 0.0):
             yield self
 
