@@ -370,7 +370,8 @@ def measure(world, cfg: GPTConfig, micro_batch: int, max_mib: float, device: str
            "matmul_fp32": measure_matmuls(cfg, tokens, device, torch.float32),
            "attention": measure_attention(cfg, micro_batch, device),
            "elementwise": measure_elementwise(cfg, tokens, device),
-           "floor": measure_floor(device), "selective_floor": measure_selective_floor(cfg, device), "one_layer": measure_model_kernels(cfg, micro_batch, device),
+           "floor": measure_floor(device), "selective_floor": measure_selective_floor(cfg, device),
+           "one_layer": measure_model_kernels(cfg, micro_batch, device),
            "collectives": []}
     if world.size > 1:
         out["collective_floor"] = measure_collective_floor(world, device)
@@ -403,7 +404,8 @@ def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     hw = dataclasses.replace(
         base, name=name, matmul_fraction=matmul_fraction, fp32_flops=fp32, attention_fraction=attention_fraction,
-        hbm_fraction=hbm_fraction, kernel_floor=floor, selective_floor=m["selective_floor"], hbm_capacity=float(m["capacity"] or base.hbm_capacity),
+        hbm_fraction=hbm_fraction, kernel_floor=floor, selective_floor=m["selective_floor"],
+        hbm_capacity=float(m["capacity"] or base.hbm_capacity),
         collective_floor=m["collective_floor"]["playground_s"] if "collective_floor" in m else None,
         nvlink_latency=alpha, nvlink_bandwidth=bandwidth,
         source=f"playground calibrate on {p}× {m['device']} ({when}); peaks, HBM bandwidth and network from "

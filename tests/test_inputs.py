@@ -75,6 +75,7 @@ def test_bad_input_is_one_line_naming_the_flag_and_exit_2(args, message, tmp_pat
     ("gpus_per_node", 0, "gpus_per_node = 0 must be a finite number above 0"),
     ("kernel_floor", float("nan"), "kernel_floor = nan must be a finite number at least 0"),
     ("nvlink_latency", -1e-6, "nvlink_latency = -1e-06 must be a finite number at least 0"),
+    ("selective_floor", -2e-5, "selective_floor = -2e-05 must be a finite number at least 0"),
     ("hbm_bandwidth", 0, "hbm_bandwidth = 0 must be above 0 (inf: no cost per byte)"),
     ("peak_bf16_flops", float("inf"), "peak_bf16_flops = inf must be a finite number above 0"),
     ("matmul_tiles", [[128, 0]], "matmul_tiles = [[128, 0]] must be pairs of tile sides above 0"),
