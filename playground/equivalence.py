@@ -126,8 +126,8 @@ def reference_model(run: RunConfig, dtype=torch.float64) -> GPT:
 
 
 def _low_precision_step(run: RunConfig, model: GPT, params: dict, batch, autocast, loss_scale: float = 1.0):
-    """One step's loss and gradients (float64) on one device in the 16-bit run's own recipe:
-    a forward and backward per micro-batch of the layout's size, the losses scaled by their
+    """One step's loss and gradients (float64) on one device in the run's own recipe (16-bit,
+    or float32): a forward and backward per micro-batch of the layout's size, the losses scaled by their
     count (and in float16 multiplied by the layout's loss scale of the step, Micikevicius et
     al. 2018, divided out of the gradients after), the gradients accumulated in the layout's
     dtype for them (the compute dtype, or float32 with `grad_dtype`), as the layout's ranks
@@ -164,9 +164,10 @@ def reference_steps(run: RunConfig, tol: dict, states: list, replays: list | Non
     layout's routing decisions of step t per MoE block. Returns per step the loss, the
     gradients (float64), the state after the step, its bounds (tolerance.step_bounds; None
     when weights are not judged) and the MoE layers' statistics. `low_precision`: one device
-    in the 16-bit run's own recipe instead of float64 (bf16 or fp16 weights rounded from the
-    state, or float32 ones under autocast; the layout's micro-batches and loss scales,
-    _low_precision_step), whose gradients say how far 16-bit rounding alone moves them."""
+    in the run's own dtype and recipe instead of float64 (bf16 or fp16 weights rounded from
+    the state, float32 ones under autocast, or float32 ones in a float32 run; the layout's
+    micro-batches and loss scales, _low_precision_step), whose gradients say how far the
+    dtype's rounding alone moves them."""
     cfg, layout = run.model, run.layout
     low = torch.float32 if run.autocast else getattr(torch, run.dtype)  # (the compute dtype)
     model = reference_model(run, low if low_precision else torch.float64)
@@ -404,6 +405,9 @@ def check(run: RunConfig) -> CheckReport:
     near = max((acc.ratio for acc in worst.values() if acc.ratio is not None), default=0.0)
     if tol["weight"] and tol["grad"] is not None and near > TRIGGER:  # (float32 and float64)
         sensitive = raised(ref, reference_steps(run, tol, moved(states, unit, run.seed), decisions), tol["grad"])
+        if run.dtype == "float32":  # its own arithmetic's rounding too, which moved weights do not make
+            own = raised(ref, reference_steps(run, tol, states, decisions, low_precision=True), tol["grad"])
+            sensitive = {k: max(sensitive.get(k, 0.0), own.get(k, 0.0)) for k in sensitive.keys() | own.keys()}
     elif run.dtype in ("bfloat16", "float16") and tol["grad"] is not None and near > TRIGGER:
         # against float64, a gradient's 16-bit rounding is its backward's amplification of the
         # dtype's: one device in the run's own recipe measures it (playground/sensitivity.py)
