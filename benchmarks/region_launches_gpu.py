@@ -39,10 +39,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from benchmarks._common import print_table, write_json  # noqa: E402
-from benchmarks.region_memory_gpu import inputs, on_meta, regions  # noqa: E402
-from model import preset  # noqa: E402
+from benchmarks.region_memory_gpu import measured_regions  # noqa: E402
 from model.compiled import _signature, _traced, compiled  # noqa: E402
-from model.moe import grouped_mm_applies  # noqa: E402
 
 MATMULS = {"mm", "bmm", "addmm", "_grouped_mm"}
 
@@ -139,26 +137,19 @@ def main() -> None:
     gpu = torch.cuda.is_available()
     rows, out = [], {"device": torch.cuda.get_device_name() if gpu else "none (graph columns only)",
                      "torch": torch.__version__, "regions": []}
-    for model in ("1b-moe", "1b-dsmoe"):
-        c = preset(model)
-        t = inputs(c, "cuda" if gpu else "cpu")
-        measure_gpu = gpu and grouped_mm_applies(t["x"], t["w_gate"])
-        for name, fn, args in regions(c, t):
-            if model == "1b-dsmoe" and name != "moe_layer":
-                continue
-            meta_args = tuple(on_meta(x) for x in args)
-            graphs = _traced(fn, name, tuple(_signature(x) for x in meta_args))
-            fw = graph_ops(graphs.forward)
-            bw = graph_ops(graphs.backward, graphs.recomputed) if graphs.backward is not None else {}
-            r = {"model": model, "region": name, "graph_fwd": fw, "graph_bwd": bw}
-            if measure_gpu:
-                r.update(measure(fn, args))
-            out["regions"].append(r)
-            us = lambda k: f"{r[k] * 1e6:.0f}" if k in r else "-"  # noqa: E731
-            rows.append([model, name, r.get("kernels_fwd", "-"), r.get("kernels_bwd", "-"), us("host_fwd_s"),
-                         us("host_bwd_s"), r.get("eager_ops_fwd", "-"), us("host_eager_fwd_s"),
-                         f"{fw['ops']} ({fw['matmuls']} matmuls)",
-                         f"{bw['ops']} ({bw['matmuls']} matmuls, {bw['recomputed']} recomputed)" if bw else "-"])
+    for model, name, fn, args, meta_args, measure_gpu in measured_regions(gpu):
+        graphs = _traced(fn, name, tuple(_signature(x) for x in meta_args))
+        fw = graph_ops(graphs.forward)
+        bw = graph_ops(graphs.backward, graphs.recomputed) if graphs.backward is not None else {}
+        r = {"model": model, "region": name, "graph_fwd": fw, "graph_bwd": bw}
+        if measure_gpu:
+            r.update(measure(fn, args))
+        out["regions"].append(r)
+        us = lambda k: f"{r[k] * 1e6:.0f}" if k in r else "-"  # noqa: E731
+        rows.append([model, name, r.get("kernels_fwd", "-"), r.get("kernels_bwd", "-"), us("host_fwd_s"),
+                     us("host_bwd_s"), r.get("eager_ops_fwd", "-"), us("host_eager_fwd_s"),
+                     f"{fw['ops']} ({fw['matmuls']} matmuls)",
+                     f"{bw['ops']} ({bw['matmuls']} matmuls, {bw['recomputed']} recomputed)" if bw else "-"])
     print_table(f"A compiled region's launches and host time per call (device: {out['device']}, torch {torch.__version__}; "
                 f"µs)", ["model", "region", "kernels fwd", "kernels bwd", "host fwd", "host bwd", "eager ops fwd",
                          "host eager fwd", "graph ops fwd", "graph ops bwd"], rows)

@@ -125,13 +125,10 @@ def held_on_gpu(f, args) -> int:
     return held
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args()
-    gpu = torch.cuda.is_available()
-    rows, out = [], {"device": torch.cuda.get_device_name() if gpu else "none (plan columns only)",
-                     "torch": torch.__version__, "regions": []}
+def measured_regions(gpu: bool):
+    """(model, region, its function, its inputs, the same on meta, whether the GPU measures it)
+    for 1b-moe's regions and 1b-dsmoe's whole layer: a GPU measures a region only where the
+    grouped GEMM it is written for applies."""
     for model in ("1b-moe", "1b-dsmoe"):
         c = preset(model)
         t = inputs(c, "cuda" if gpu else "cpu")
@@ -139,17 +136,27 @@ def main() -> None:
         for name, fn, args in regions(c, t):
             if model == "1b-dsmoe" and name != "moe_layer":
                 continue
-            meta_args = tuple(on_meta(x) for x in args)
-            r = {"model": model, "region": name, "plan_eager": plan_eager(fn, meta_args),
-                 "plan_partition": plan_partition(name, fn, meta_args)}
-            if measure_gpu:
-                r["eager"] = held_on_gpu(fn, args)
-                held_on_gpu(compiled(fn), args)  # (compiled, and its backward made at the first call)
-                r["compiled"] = held_on_gpu(compiled(fn), args)
-            out["regions"].append(r)
-            err = (f"{(r['plan_partition'] - r['compiled']) / r['compiled']:+.1%}" if r.get("compiled") else "-")
-            rows.append([model, name, *(f"{r[k] / MiB:.1f}" if k in r else "-" for k in
-                                        ("eager", "compiled", "plan_eager", "plan_partition")), err])
+            yield model, name, fn, args, tuple(on_meta(x) for x in args), measure_gpu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    gpu = torch.cuda.is_available()
+    rows, out = [], {"device": torch.cuda.get_device_name() if gpu else "none (plan columns only)",
+                     "torch": torch.__version__, "regions": []}
+    for model, name, fn, args, meta_args, measure_gpu in measured_regions(gpu):
+        r = {"model": model, "region": name, "plan_eager": plan_eager(fn, meta_args),
+             "plan_partition": plan_partition(name, fn, meta_args)}
+        if measure_gpu:
+            r["eager"] = held_on_gpu(fn, args)
+            held_on_gpu(compiled(fn), args)  # (compiled, and its backward made at the first call)
+            r["compiled"] = held_on_gpu(compiled(fn), args)
+        out["regions"].append(r)
+        err = (f"{(r['plan_partition'] - r['compiled']) / r['compiled']:+.1%}" if r.get("compiled") else "-")
+        rows.append([model, name, *(f"{r[k] / MiB:.1f}" if k in r else "-" for k in
+                                    ("eager", "compiled", "plan_eager", "plan_partition")), err])
     print_table(f"MiB a region's forward leaves allocated, outputs and saved tensors (device: {out['device']}, "
                 f"torch {torch.__version__})", ["model", "region", "eager (GPU)", "compiled (GPU)", "plan (eager graph)", "plan (partition)",
                  "partition vs compiled"], rows)
