@@ -44,20 +44,25 @@ def test_an_ill_conditioned_gradient_of_a_correct_layout_is_judged_at_its_sensit
     assert wq_fixed.max_rel == wq.max_rel and wq_fixed.ok == (wq.max_rel <= rep.tolerance["grad"])
 
 
-@pytest.mark.sabotage
-def test_a_gradient_bug_fails_at_the_raised_tolerance(monkeypatch):
-    """The same run with the query weight's gradient off by 1e-9 of itself on every rank (a
-    reduction that rounds through float32 would do more): judged at its sensitivity, still over."""
+def _scale_gradient(monkeypatch, param: str, factor: float):
+    """The sabotage: every rank's local gradient of `param` multiplied by `factor`."""
     from playground.parallelize import ParallelModel
     real = ParallelModel.local_grads
 
     def off(self):
         out = real(self)
         for name, g in out:
-            if name.endswith("blocks.2.attn.wq.weight"):
-                g.mul_(1 + 1e-9)
+            if name.endswith(param):
+                g.mul_(factor)
         return out
     monkeypatch.setattr(ParallelModel, "local_grads", off)
+
+
+@pytest.mark.sabotage
+def test_a_gradient_bug_fails_at_the_raised_tolerance(monkeypatch):
+    """The same run with the query weight's gradient off by 1e-9 of itself on every rank (a
+    reduction that rounds through float32 would do more): judged at its sensitivity, still over."""
+    _scale_gradient(monkeypatch, "blocks.2.attn.wq.weight", 1 + 1e-9)
     rep = check(RUN)
     assert not rep.passed and rep.worst("grad").name == "blocks.2.attn.wq.weight"
 
@@ -181,15 +186,6 @@ def test_float32s_own_rounding_is_measured_on_one_device():
 def test_a_float32_gradient_bug_fails_at_the_raised_tolerance(monkeypatch):
     """The same run on dp 2 with block 5's key weight's gradient off by 1e-3 of itself on every
     rank (a reduction in bf16 would do more): judged at float32's own rounding, still over."""
-    from playground.parallelize import ParallelModel
-    real = ParallelModel.local_grads
-
-    def off(self):
-        out = real(self)
-        for name, g in out:
-            if name.endswith("blocks.5.attn.wk.weight"):
-                g.mul_(1 + 1e-3)
-        return out
-    monkeypatch.setattr(ParallelModel, "local_grads", off)
+    _scale_gradient(monkeypatch, "blocks.5.attn.wk.weight", 1 + 1e-3)
     rep = check(replace(F32, layout=Layout(dp=2, microbatches=1, micro_batch_size=12)))
     assert not rep.passed and rep.worst("grad").name == "blocks.5.attn.wk.weight"
