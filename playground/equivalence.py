@@ -403,15 +403,19 @@ def check(run: RunConfig) -> CheckReport:
     worst = _tensors(ref, states, grads, tol, {})
     sensitive = {}
     near = max((acc.ratio for acc in worst.values() if acc.ratio is not None), default=0.0)
-    if tol["weight"] and tol["grad"] is not None and near > TRIGGER:  # (float32 and float64)
-        sensitive = raised(ref, reference_steps(run, tol, moved(states, unit, run.seed), decisions), tol["grad"])
-        if run.dtype == "float32":  # its own arithmetic's rounding too, which moved weights do not make
-            own = raised(ref, reference_steps(run, tol, states, decisions, low_precision=True), tol["grad"])
-            sensitive = {k: max(sensitive.get(k, 0.0), own.get(k, 0.0)) for k in sensitive.keys() | own.keys()}
-    elif run.dtype in ("bfloat16", "float16") and tol["grad"] is not None and near > TRIGGER:
-        # against float64, a gradient's 16-bit rounding is its backward's amplification of the
-        # dtype's: one device in the run's own recipe measures it (playground/sensitivity.py)
-        sensitive = raised(ref, reference_steps(run, tol, states, decisions, low_precision=True), tol["grad"])
+    if tol["grad"] is not None and near > TRIGGER:  # how far the reference's own last bits move each gradient
+        # (playground/sensitivity.py): in float64 and float32, the reference again from weights
+        # moved by a unit of roundoff; in float32, bf16 and fp16, judged against float64, one
+        # device in the run's own dtype and recipe, whose arithmetic's rounding the backward
+        # amplifies and moved weights do not make; a gradient judged at the larger
+        again = []
+        if tol["weight"]:  # (float64 and float32)
+            again.append(reference_steps(run, tol, moved(states, unit, run.seed), decisions))
+        if run.dtype != "float64":
+            again.append(reference_steps(run, tol, states, decisions, low_precision=True))
+        for measured in again:
+            for key, t in raised(ref, measured, tol["grad"]).items():
+                sensitive[key] = max(sensitive.get(key, 0.0), t)
     if sensitive:
         for (step, name), t in sensitive.items():  # what AdamW can make of gradients within the raised tolerance
             r = ref[step]

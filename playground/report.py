@@ -355,11 +355,10 @@ def check_summary(rep, verbose: bool = True) -> str:
                      f"scores within {tol['routing']:.1e}); the reference replayed the layout's decisions there")
     if rep.sensitive:
         most = max(rep.sensitive.values()) / tol["grad"]
-        how = (f"one device ran in {run.dtype} (the run's recipe) instead of float64"
-               if run.dtype in ("bfloat16", "float16") else
-               "the reference ran again from weights moved by a unit of roundoff, or one device ran in float32"
-               if run.dtype == "float32" else
-               "the reference ran again from weights moved by a unit of roundoff")
+        how = " or ".join((["the reference ran again from weights moved by a unit of roundoff"]
+                           if run.dtype in ("float32", "float64") else []) +
+                          ([f"one device ran in {run.dtype} (the run's recipe) instead of float64"]
+                           if run.dtype != "float64" else []))
         lines.append(f"sensitivity: {len(rep.sensitive)} gradient(s) at some step moved further than the fixed "
                      f"tolerance when {how}; judged there at {SENSITIVITY}x that move (up to {most:.3g}x the fixed "
                      f"tolerance; playground/sensitivity.py)")

@@ -168,7 +168,8 @@ F32 = RunConfig(model=preset("tiny").with_(vocab_size=232, d_model=256, n_layers
 def test_float32s_own_rounding_is_measured_on_one_device():
     """A float32 layout is judged against float64 at its own arithmetic's sensitivity as well
     as the moved weights': one device in float32 lands 0.79-0.90 of the fixed tolerance from
-    float64 on two hosts' CPUs (a host whose BLAS rounds otherwise could FAIL it), the
+    float64 on this host's CPU (in one micro-batch of 24, or four of 6; a host whose BLAS
+    rounds otherwise could FAIL it), the
     gradient that does it is one the float32 reference moves past the fixed tolerance, and
     judged there the check passes it with a margin."""
     rep = check(F32)
