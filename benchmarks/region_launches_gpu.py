@@ -27,6 +27,7 @@ On a machine without a GPU (or without torch._grouped_mm's kernels) only the gra
 are filled.
 """
 import argparse
+import operator
 import os
 import statistics
 import sys
@@ -49,7 +50,7 @@ def graph_ops(gm, recomputed=frozenset()) -> dict:
     """{ops, matmuls, recomputed}: the graph's call_function nodes that are not views."""
     ops = [n for n in gm.graph.nodes if n.op == "call_function" and not _is_view(n.target)]
     return {"ops": len(ops), "matmuls": sum(_packet(n.target) in MATMULS for n in ops),
-            "recomputed": sum(n.name in recomputed for n in ops)}
+            "recomputed": sum(n.name in recomputed for n in ops), "names": [_packet(n.target) for n in ops]}
 
 
 def _packet(target) -> str:
@@ -58,7 +59,8 @@ def _packet(target) -> str:
 
 
 def _is_view(target) -> bool:
-    return bool(getattr(target, "is_view", False)) or _packet(target) in ("getitem", "_unsafe_view", "view")
+    return (target is operator.getitem or bool(getattr(target, "is_view", False))
+            or _packet(target) in ("_unsafe_view", "view"))
 
 
 class _CountOps(TorchDispatchMode):
@@ -93,9 +95,9 @@ def host_seconds(call, repeats: int = 10, setup=None) -> float:
     return statistics.median(samples)
 
 
-def device_kernels(call, setup=None) -> int:
-    """Kernels and copies the device ran for `call()`, after `setup()` (not recorded): the
-    torch profiler's CUDA activity."""
+def device_kernels(call, setup=None) -> list:
+    """The names of the kernels and copies the device ran for `call()`, after `setup()` (not
+    recorded): the torch profiler's CUDA activity."""
     from torch.profiler import ProfilerActivity, profile
     if setup is not None:
         setup()
@@ -103,7 +105,7 @@ def device_kernels(call, setup=None) -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         call()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def measure(fn, args) -> dict:
@@ -121,13 +123,25 @@ def measure(fn, args) -> dict:
     for _ in range(2):  # (compiled, its backward made at the first backward)
         forward()
         backward()
-    r = {"kernels_fwd": device_kernels(forward), "host_fwd_s": host_seconds(forward),
-         "kernels_bwd": device_kernels(backward, setup=forward), "host_bwd_s": host_seconds(backward, setup=forward)}
+    names_fwd, names_bwd = device_kernels(forward), device_kernels(backward, setup=forward)
+    r = {"kernels_fwd": len(names_fwd), "host_fwd_s": host_seconds(forward), "kernel_names_fwd": names_fwd,
+         "kernels_bwd": len(names_bwd), "host_bwd_s": host_seconds(backward, setup=forward), "kernel_names_bwd": names_bwd}
     counting = _CountOps()
     with counting:
         fn(*args)
     r["eager_ops_fwd"], r["host_eager_fwd_s"] = counting.ops, host_seconds(lambda: fn(*args))
     return r
+
+
+def _scale_shift(x):
+    return x * 2.0 + 1.0
+
+
+def _one_kernel(gpu: bool):
+    """The least a compiled region costs: one pointwise kernel each way, as measured_regions
+    yields its regions."""
+    x = torch.randn(4096, device="cuda" if gpu else "cpu", requires_grad=True)
+    yield "-", "one_pointwise", _scale_shift, (x,), (torch.empty(4096, device="meta", requires_grad=True),), gpu
 
 
 def main() -> None:
@@ -137,7 +151,7 @@ def main() -> None:
     gpu = torch.cuda.is_available()
     rows, out = [], {"device": torch.cuda.get_device_name() if gpu else "none (graph columns only)",
                      "torch": torch.__version__, "regions": []}
-    for model, name, fn, args, meta_args, measure_gpu in measured_regions(gpu):
+    for model, name, fn, args, meta_args, measure_gpu in (*_one_kernel(gpu), *measured_regions(gpu)):
         graphs = _traced(fn, name, tuple(_signature(x) for x in meta_args))
         fw = graph_ops(graphs.forward)
         bw = graph_ops(graphs.backward, graphs.recomputed) if graphs.backward is not None else {}
