@@ -2,7 +2,7 @@
 
 benchmarks/region_launches_gpu.py times a compiled region's calls alone, the device
 synchronized before each; on two H100 hosts those times (1b-moe's MoE layer: 1.0 + 1.9 ms a
-call) would add 44 ms to a step's host where the plan's host is short by 11 ms
+call, 12 layers) would add 35 ms to a step's host where the plan's host is short by 11 ms
 (benchmarks/results/gpu/run75_h100_region_launches_calibrated). This times the same calls
 inside `playground train`, with no profiler: every function `model.compiled.compiled`
 makes is wrapped so that its forward call's host time is summed, and the backward node
