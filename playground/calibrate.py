@@ -21,10 +21,16 @@ from the `--base` profile (datasheet numbers); what is fitted:
   profiled device time, over the base bandwidth. Without a device profiler (CPUs): the
   median over elementwise kernels timed alone (copy, add, mul, SiLU, a cast, a scale),
   which are measured everywhere and kept in the record.
-- `kernel_floor`: the wall time of a tiny forward and backward of that block (batch 1,
-  sequence 16, where every kernel is short) over its kernel count: what the host spends
-  per op in eager PyTorch, autograd included; at least the time per op of a bare chain of
-  tiny adds.
+- `kernel_floor`: what the host spends per op of the model's own training step: the
+  whole step (all its blocks, the optimizer, the NaN check, compiled regions) trained at
+  head dimension 8, a 512-token vocabulary and 16-token sequences (`narrow`: the same ops
+  in the same order, each kernel a few µs, so the host's issuing is the step), its host
+  time per step (the wall time less the waits for the device) less its collective calls
+  at `collective_floor`, over the ops a plan of the same program charges; at least the
+  time per op of a bare chain of tiny adds. (A tiny forward and backward of one block,
+  the measure before it, is kept in the record: its fixed costs, the backward's start
+  among them, fall on some hundred ops where a step has thousands, and it read 59.7 µs an
+  op on a host where 350m's step then ran at under 30 µs.)
 - `selective_floor`: what selective activation checkpointing adds to the host's time per op
   of a checkpointed block (torch's selective checkpoint runs each op of the forward and of
   the recomputation through a Python dispatch mode): that tiny block checkpointed under the
@@ -48,7 +54,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import statistics
+import tempfile
 import time
 import warnings
 
@@ -63,6 +71,9 @@ from simulator.clock import RankClock
 from simulator.compute_model import ComputeModel
 from simulator.cost_model import collective_cost
 from simulator.hardware import Hardware, load_hardware
+
+from .layout import Layout
+from .run_config import RunConfig
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
@@ -231,20 +242,88 @@ def predicted_by_class(cfg, micro_batch, hw: Hardware) -> tuple:
     return out, model.clock.compute
 
 
-def measure_selective_floor(cfg: GPTConfig, device: str) -> float:
+def measure_selective_floor(cfg: GPTConfig, device: str, rounds: int = 5) -> float:
     """Seconds selective activation checkpointing adds to the host per op of a checkpointed
-    block: the tiny forward and backward of one block that `kernel_floor` times (batch 1,
+    block: the tiny forward and backward of one block (`measure_model_kernels`: batch 1,
     sequence 16: the host's issuing is the step), checkpointed under the selective policy
     recomputing every matmul (so the same kernels as full recomputation, less the attention
     kernel's), less the same under full recomputation, over the ops its dispatch mode sees
     there (the forward's and the recomputation's, views included: counted on meta tensors by
-    the compute model, with no floor but one second per such op); at least 0."""
+    the compute model, with no floor but one second per such op); the median over `rounds`
+    alternated pairs (one pair alone read 14 to 67 µs on three H100 hosts: a host's speed
+    drifts within seconds, and a difference of two medians taken apart holds that drift);
+    at least 0."""
     tiny = cfg.with_(seq_len=16)
-    selective = timed(one_layer_step(tiny, 1, device, ac="selective", recompute_every=1), device, repeats=7)
-    full = timed(one_layer_step(tiny, 1, device, ac="full"), device, repeats=7)
+    selective = one_layer_step(tiny, 1, device, ac="selective", recompute_every=1)
+    full = one_layer_step(tiny, 1, device, ac="full")
+    differences = [timed(selective, device, repeats=7) - timed(full, device, repeats=7) for _ in range(rounds)]
     counting = dataclasses.replace(load_hardware("h100-sxm"), kernel_floor=0.0, selective_floor=1.0)
     seen = counted(one_layer_step(tiny, 1, "meta", ac="selective", recompute_every=1), counting).clock.issuing
-    return max(0.0, (selective - full) / seen)
+    return max(0.0, statistics.median(differences) / seen)
+
+
+# -- the host's cost per op in the model's own training step ---------------------------------------
+PROGRAM_STEPS = 10  # steps of the narrow program; the first PROGRAM_WARMUP are not timed
+PROGRAM_WARMUP = 4  # (compiled regions compile, AdamW makes its moments, the allocator fills its cache)
+
+
+def narrow(cfg: GPTConfig) -> GPTConfig:
+    """`cfg`'s program at a width where every kernel is short: the same depth, heads, key/value
+    heads, experts and routing, so the same ops in the same order, at head dimension 8, a
+    512-token vocabulary and 16-token sequences (on a GPU each kernel then takes a few µs, and
+    the host's issuing is the step)."""
+    d = 8 * cfg.n_heads
+    expert = max(16, -(-cfg.expert_d_ff * d // cfg.d_model // 16) * 16) if cfg.expert_d_ff else 0
+    return cfg.with_(d_model=d, d_ff=0, expert_d_ff=expert, vocab_size=512, seq_len=16)
+
+
+def program_run(cfg: GPTConfig, ranks: int, backend: str, hardware: str | None = None) -> RunConfig:
+    """The training run whose step the program floor times: `narrow(cfg)` data parallel over
+    the calibrated ranks, micro-batch 1, bf16 compute copies of fp32 masters (the recipe a plan
+    prices); with `hardware`, planned on it instead."""
+    return RunConfig(model=narrow(cfg), layout=Layout(dp=ranks, micro_batch_size=1), steps=PROGRAM_STEPS,
+                     dtype="bfloat16", backend="sim" if hardware else backend, hardware=hardware, progress=False)
+
+
+def measure_program(world, cfg: GPTConfig, backend: str) -> dict:
+    """The host's own time per step of the model's training program (`program_run`: the whole
+    step, the optimizer, the NaN check and compiled regions included): each step's wall time
+    less the time the host waited for the device (`host_blocked`, as benchmarks/fidelity.py
+    measures a run's), the median over the steps after the warm-up."""
+    from .training import train_rank
+    out = train_rank(world, program_run(cfg, world.size, backend))
+    own = [t - b for t, b in zip(out["step_times"], out["host_blocked"])][PROGRAM_WARMUP:]
+    return {"host_s": statistics.median(own), "steps_s": own}
+
+
+def program_charges(cfg: GPTConfig, ranks: int) -> tuple:
+    """(ops, collective calls) the host issues in one step of `program_run`, as a plan charges
+    them (`issued`)."""
+    return issued(program_run(cfg, ranks, "sim", hardware="counting"))
+
+
+def issued(run: RunConfig) -> tuple:
+    """(ops, collective calls) one step of `run` issues on its first rank, as a plan charges
+    them: `run` planned on a profile whose floors are one second an op (none a call), then one
+    second a call (none an op)."""
+    from .planning import plan
+    base = load_hardware("h100-sxm")
+    counts = []
+    for op, call in ((1.0, 0.0), (0.0, 1.0)):
+        hw = dataclasses.replace(base, name="counting", kernel_floor=op, collective_floor=call, selective_floor=0.0)
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "counting.json")
+            with open(path, "w") as f:
+                json.dump(hw.to_dict(), f)
+            counts.append(plan(dataclasses.replace(run, hardware=path, backend="sim")).values[0]["step"]["issuing"])
+    return counts[0], counts[1]
+
+
+def program_floor(program: dict, ops: float, calls: float, collective_floor: float | None) -> float:
+    """The host's seconds per op that make a plan of the program issue its step in the time the
+    host took: its own time per step less its collective calls at the measured collective floor,
+    over its ops."""
+    return max(0.0, program["host_s"] - calls * (collective_floor or 0.0)) / ops
 
 
 def measure_model_kernels(cfg, micro_batch, device) -> dict:
@@ -360,7 +439,7 @@ def fit_alpha_beta(points: list, p: int, hw: Hardware) -> tuple:
 
 
 # -- the program ---------------------------------------------------------------------------------
-def measure(world, cfg: GPTConfig, micro_batch: int, max_mib: float, device: str) -> dict:
+def measure(world, cfg: GPTConfig, micro_batch: int, max_mib: float, device: str, backend: str = "gloo") -> dict:
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     tokens = micro_batch * cfg.seq_len
@@ -372,7 +451,7 @@ def measure(world, cfg: GPTConfig, micro_batch: int, max_mib: float, device: str
            "elementwise": measure_elementwise(cfg, tokens, device),
            "floor": measure_floor(device), "selective_floor": measure_selective_floor(cfg, device),
            "one_layer": measure_model_kernels(cfg, micro_batch, device),
-           "collectives": []}
+           "program": measure_program(world, cfg, backend), "collectives": []}
     if world.size > 1:
         out["collective_floor"] = measure_collective_floor(world, device)
         for op in COLLECTIVES:
@@ -396,7 +475,10 @@ def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch:
         hbm_fraction = sum(moved.get(c, [0, 0, 0])[2] for c in memory_bound) / profiled / base.hbm_bandwidth
     else:  # (no device profiler on CPUs) the elementwise kernels timed alone
         hbm_fraction = statistics.median(r["bytes"] / r["seconds"] for r in m["elementwise"]) / base.hbm_bandwidth
-    floor = max(m["floor"], one["tiny_wall_s"] / one["tiny_kernels"])
+    collective_floor = m["collective_floor"]["playground_s"] if "collective_floor" in m else None
+    ops, calls = program_charges(cfg, p)
+    program = {**m["program"], "ops": ops, "calls": calls}
+    floor = max(m["floor"], program_floor(program, ops, calls, collective_floor))
     alpha, bandwidth = base.nvlink_latency, base.nvlink_bandwidth
     points = [(c["op"], c["size"], c["seconds"]) for c in m["collectives"]]
     if points:
@@ -406,12 +488,13 @@ def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch:
         base, name=name, matmul_fraction=matmul_fraction, fp32_flops=fp32, attention_fraction=attention_fraction,
         hbm_fraction=hbm_fraction, kernel_floor=floor, selective_floor=m["selective_floor"],
         hbm_capacity=float(m["capacity"] or base.hbm_capacity),
-        collective_floor=m["collective_floor"]["playground_s"] if "collective_floor" in m else None,
+        collective_floor=collective_floor,
         nvlink_latency=alpha, nvlink_bandwidth=bandwidth,
         source=f"playground calibrate on {p}× {m['device']} ({when}); peaks, HBM bandwidth and network from "
                f"{base.name}{'' if points else '; NVLink not measured (one rank)'}")
     model = ComputeModel(hw, RankClock())
     record = {"base": base.name, "ranks": p, "device": m["device"], "model": cfg.to_dict(), "micro_batch": micro_batch, "chain_floor_s": m["floor"],
+              "tiny_block_floor_s": one["tiny_wall_s"] / one["tiny_kernels"], "program": program,
               "collective_floor": m.get("collective_floor"), "matmuls": [], "attention": {}, "elementwise": [],
               "collectives": []}
     by_class, total = predicted_by_class(cfg, micro_batch, hw)
@@ -439,14 +522,14 @@ def calibrate(backend: str, world_size: int | None, cfg: GPTConfig, micro_batch:
               name: str, device: str | None = None) -> tuple:
     """Measure on every rank of a torch.distributed job and fit rank 0's measurements:
     (Hardware, calibration record)."""
-    res = launch(_measure_rank, world_size, backend, args=(cfg, micro_batch, max_mib, device), timeout=600.0)
+    res = launch(_measure_rank, world_size, backend, args=(cfg, micro_batch, max_mib, device, backend), timeout=600.0)
     return fit(res.values[0], load_hardware(base), res.world_size, name, cfg, micro_batch)
 
 
-def _measure_rank(world, cfg, micro_batch, max_mib, device):
+def _measure_rank(world, cfg, micro_batch, max_mib, device, backend):
     if device is None:
         device = f"cuda:{dist.get_rank() % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
-    return measure(world, cfg, micro_batch, max_mib, device)
+    return measure(world, cfg, micro_batch, max_mib, device, backend)
 
 
 def write_profile(hw: Hardware, record: dict, path: str) -> None:
@@ -461,6 +544,10 @@ def _one_layer_line(one: dict) -> str:
                         ("matmul", "attention", "copy", "elementwise"))
     return (f"  one block + head, forward and backward: measured {one['wall_s'] * 1e3:.2f} ms wall, predicted "
             f"{one['predicted_s'] * 1e3:.2f} ms; by class, ms predicted{'/profiled' if measured else ''}: {classes}")
+
+
+def _calls(program: dict) -> str:
+    return f" and {program['calls']:.0f} collective calls" if program["calls"] else ""
 
 
 def summary(hw: Hardware, record: dict) -> str:
@@ -478,8 +565,10 @@ def summary(hw: Hardware, record: dict) -> str:
              f"({hw.attention_fraction * hw.peak_bf16_flops / 1e12:.0f} TFLOP/s, causal fwd+bwd)",
              f"  hbm_fraction       {hw.hbm_fraction:.3f}  ({hw.hbm_fraction * hw.hbm_bandwidth / 1e12:.2f} TB/s; "
              f"per kernel {spread(record['elementwise'])})",
-             f"  kernel_floor       {hw.kernel_floor * 1e6:.1f} µs  (host per op of a tiny forward and backward; "
-             f"a chain of adds: {record['chain_floor_s'] * 1e6:.1f} µs)",
+             f"  kernel_floor       {hw.kernel_floor * 1e6:.1f} µs  (host per op of the model's training step at "
+             f"head dimension 8: {record['program']['host_s'] * 1e3:.2f} ms a step over {record['program']['ops']:.0f} "
+             f"ops{_calls(record['program'])}; a tiny forward and backward of one block: "
+             f"{record['tiny_block_floor_s'] * 1e6:.1f} µs, a chain of adds: {record['chain_floor_s'] * 1e6:.1f} µs)",
              f"  selective_floor    {hw.selective_floor * 1e6:.1f} µs  (host per op a selective checkpoint's "
              f"dispatch mode adds, in the forward and the recomputation: that tiny block, selective less full)",
              _one_layer_line(record["one_layer"]),

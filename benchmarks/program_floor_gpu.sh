@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One GPU (an H100 or an H200, whichever is lent): the kernel floor `playground calibrate` now
+# measures on the model's own training step at head dimension 8 (playground/calibrate.py,
+# `measure_program`), checked on full-width steps of the same host that no calibration saw:
+# calibrate on 350m, then 350m (host-bound on a slow host), 1b-moe (host-bound, compiled
+# regions) and the dense 1b (device-bound), calibrate on 1b-moe, the three again in the same
+# order (host-bound steps move between runs: medians of two). Plans of each on each
+# calibration: benchmarks/fidelity.py --measured <this run> --hardware <profile>.
+# bf16 with compute copies, 10 steps each, --json in $LOGS.
+set -uo pipefail
+source benchmarks/gpu_common.sh
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$LOGS/gpus.txt"
+lscpu | grep -E "Model name|^CPU\(s\)" >> "$LOGS/gpus.txt"
+case $(head -1 "$LOGS/gpus.txt") in *H100*) gpu=h100 ;; *) gpu=h200 ;; esac
+calibrate() {  # model, micro-batch
+  timeout 150 torchrun --nproc_per_node 1 -m playground calibrate --backend torch --model "$1" --micro-batch-size "$2" \
+    --base $gpu-datasheet --name "$gpu-$1" --out "$LOGS/$gpu-$1.json" 2>&1 | grep -v "^W1" > "$LOGS/calibrate-$1.log"
+  echo "== calibrate $1 (exit ${PIPESTATUS[0]}): $(grep -E 'kernel_floor|selective_floor' "$LOGS/calibrate-$1.log" | tr '\n' ' ')"
+  tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .
+}
+c="--dtype bfloat16 --steps 10 --bf16-copies"
+calibrate 350m 8
+for round in "" _2; do
+  run 350m_single$round 1 60 train $c --model 350m --micro-batch-size 8 --json "$LOGS/350m_single$round.json"
+  run 1b-moe_1gpu$round 1 80 train $c --model 1b-moe --micro-batch-size 4 --json "$LOGS/1b-moe_1gpu$round.json"
+  run 1b_single$round 1 70 train $c --model 1b --micro-batch-size 4 --json "$LOGS/1b_single$round.json"
+  [ -z "$round" ] && calibrate 1b-moe 4
+done
