@@ -277,12 +277,12 @@ def narrow(cfg: GPTConfig) -> GPTConfig:
     return cfg.with_(d_model=d, d_ff=0, expert_d_ff=expert, vocab_size=512, seq_len=16)
 
 
-def program_run(cfg: GPTConfig, ranks: int, backend: str, hardware: str | None = None) -> RunConfig:
+def program_run(cfg: GPTConfig, ranks: int, backend: str) -> RunConfig:
     """The training run whose step the program floor times: `narrow(cfg)` data parallel over
     the calibrated ranks, micro-batch 1, bf16 compute copies of fp32 masters (the recipe a plan
-    prices); with `hardware`, planned on it instead."""
+    prices)."""
     return RunConfig(model=narrow(cfg), layout=Layout(dp=ranks, micro_batch_size=1), steps=PROGRAM_STEPS,
-                     dtype="bfloat16", backend="sim" if hardware else backend, hardware=hardware, progress=False)
+                     dtype="bfloat16", backend=backend, progress=False)
 
 
 def measure_program(world, cfg: GPTConfig, backend: str) -> dict:
@@ -294,12 +294,6 @@ def measure_program(world, cfg: GPTConfig, backend: str) -> dict:
     out = train_rank(world, program_run(cfg, world.size, backend))
     own = [t - b for t, b in zip(out["step_times"], out["host_blocked"])][PROGRAM_WARMUP:]
     return {"host_s": statistics.median(own), "steps_s": own}
-
-
-def program_charges(cfg: GPTConfig, ranks: int) -> tuple:
-    """(ops, collective calls) the host issues in one step of `program_run`, as a plan charges
-    them (`issued`)."""
-    return issued(program_run(cfg, ranks, "sim", hardware="counting"))
 
 
 def issued(run: RunConfig) -> tuple:
@@ -319,11 +313,11 @@ def issued(run: RunConfig) -> tuple:
     return counts[0], counts[1]
 
 
-def program_floor(program: dict, ops: float, calls: float, collective_floor: float | None) -> float:
+def program_floor(host_s: float, ops: float, calls: float, collective_floor: float | None) -> float:
     """The host's seconds per op that make a plan of the program issue its step in the time the
-    host took: its own time per step less its collective calls at the measured collective floor,
-    over its ops."""
-    return max(0.0, program["host_s"] - calls * (collective_floor or 0.0)) / ops
+    host took (`host_s`): that less its collective calls at the measured collective floor, over
+    its ops."""
+    return max(0.0, host_s - calls * (collective_floor or 0.0)) / ops
 
 
 def measure_model_kernels(cfg, micro_batch, device) -> dict:
@@ -439,7 +433,7 @@ def fit_alpha_beta(points: list, p: int, hw: Hardware) -> tuple:
 
 
 # -- the program ---------------------------------------------------------------------------------
-def measure(world, cfg: GPTConfig, micro_batch: int, max_mib: float, device: str, backend: str = "gloo") -> dict:
+def measure(world, cfg: GPTConfig, micro_batch: int, max_mib: float, device: str, backend: str) -> dict:
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     tokens = micro_batch * cfg.seq_len
@@ -476,9 +470,9 @@ def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch:
     else:  # (no device profiler on CPUs) the elementwise kernels timed alone
         hbm_fraction = statistics.median(r["bytes"] / r["seconds"] for r in m["elementwise"]) / base.hbm_bandwidth
     collective_floor = m["collective_floor"]["playground_s"] if "collective_floor" in m else None
-    ops, calls = program_charges(cfg, p)
+    ops, calls = issued(program_run(cfg, p, "sim"))
     program = {**m["program"], "ops": ops, "calls": calls}
-    floor = max(m["floor"], program_floor(program, ops, calls, collective_floor))
+    floor = max(m["floor"], program_floor(program["host_s"], ops, calls, collective_floor))
     alpha, bandwidth = base.nvlink_latency, base.nvlink_bandwidth
     points = [(c["op"], c["size"], c["seconds"]) for c in m["collectives"]]
     if points:

@@ -10,7 +10,7 @@ import pytest
 from model import preset
 from playground import Layout, RunConfig
 from playground.calibrate import (coefficients, cost_op, fit_alpha_beta, gemm_shapes, issued, narrow, op_class,
-                                  program_charges, program_floor)
+                                  program_floor, program_run)
 from playground.cli import main
 from playground.planning import plan
 from simulator.cost_model import collective_cost
@@ -92,19 +92,18 @@ def test_the_shipped_h200_profile_is_calibrated_and_files_must_be_complete(tmp_p
         load_hardware(str(tmp_path / "p.json"))
 
 
-
 @pytest.mark.parametrize("name", ["small", "tiny-dsmoe"])
 def test_the_narrow_program_issues_the_ops_of_the_model_at_its_width(name):
     """The kernel floor is timed on `narrow(cfg)` and charged on `cfg`: the two must issue the
     same ops and calls (a dense model and one with shared experts and compiled MoE regions)."""
     cfg = preset(name)
-    narrow_ops = program_charges(cfg, 2)
+    narrow_ops = issued(program_run(cfg, 2, "sim"))
     wide = RunConfig(model=cfg, layout=Layout(dp=2, micro_batch_size=1), dtype="bfloat16", progress=False)
     assert narrow(cfg).d_model == 8 * cfg.n_heads and narrow(cfg).n_layers == cfg.n_layers
     assert narrow_ops == issued(wide) and narrow_ops[0] > 100 and narrow_ops[1] > 0
 
 
 def test_the_program_floor_puts_the_host_time_on_the_ops_after_the_calls():
-    assert program_floor({"host_s": 0.010}, 200, 4, 1e-3) == pytest.approx((0.010 - 0.004) / 200)
-    assert program_floor({"host_s": 0.010}, 200, 0, None) == pytest.approx(0.010 / 200)
-    assert program_floor({"host_s": 0.001}, 200, 4, 1e-3) == 0.0  # (the calls took all of it: no negative floor)
+    assert program_floor(0.010, 200, 4, 1e-3) == pytest.approx((0.010 - 0.004) / 200)
+    assert program_floor(0.010, 200, 0, None) == pytest.approx(0.010 / 200)
+    assert program_floor(0.001, 200, 4, 1e-3) == 0.0  # (the calls took all of it: no negative floor)
