@@ -3,7 +3,9 @@
 # run NAME NPROC TIMEOUT PLAYGROUND-ARGS...: one `playground` command under torchrun on the
 # torch backend (LAUNCH, if set, in place of `-m playground`: benchmarks/with_inductor.py's), its log in $LOGS/NAME.log, a one-line verdict printed, and every log
 # packed into $OUT/gpu_logs.tgz after each run (the device tool brings back few files);
-# device_profile NAME PLAYGROUND-TRAIN-ARGS...: one such run with the device alone recorded.
+# device_profile NAME PLAYGROUND-TRAIN-ARGS...: one such run with the device alone recorded;
+# calibrate GPU MODEL MICRO-BATCH: `playground calibrate` on one GPU from GPU's datasheet
+# (h100 or h200), its profile in $LOGS/GPU-MODEL.json, its floors printed.
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/gpu_run}; LOGS=${LOGS:-/tmp/gpu_logs}; mkdir -p "$OUT" "$LOGS"
 run() {
@@ -22,5 +24,11 @@ device_profile() {  # name, playground train args...: one GPU, bf16, micro-batch
     --device-only --skip 4 --last 5 -- train --dtype bfloat16 --steps 12 --micro-batch-size 4 "$@" --backend torch \
     --no-progress --json "$LOGS/$name.json" 2>&1 | grep -v "^W1" > "$LOGS/$name.log"
   echo "== $name: $(grep -h 'throughput\|device only' "$LOGS/$name.log" "$LOGS/$name.txt" 2>/dev/null | tr '\n' ' ')"
+  tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .
+}
+calibrate() {  # gpu, model, micro-batch
+  timeout 150 torchrun --nproc_per_node 1 -m playground calibrate --backend torch --model "$2" --micro-batch-size "$3" \
+    --base "$1-datasheet" --name "$1-$2" --out "$LOGS/$1-$2.json" 2>&1 | grep -v "^W1" > "$LOGS/calibrate-$2.log"
+  echo "== calibrate $2 (exit ${PIPESTATUS[0]}): $(grep -E '_floor' "$LOGS/calibrate-$2.log" | cut -c1-200 | tr '\n' ' ')"
   tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .
 }

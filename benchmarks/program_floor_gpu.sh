@@ -12,17 +12,11 @@ source benchmarks/gpu_common.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$LOGS/gpus.txt"
 lscpu | grep -E "Model name|^CPU\(s\)" >> "$LOGS/gpus.txt"
 case $(head -1 "$LOGS/gpus.txt") in *H100*) gpu=h100 ;; *) gpu=h200 ;; esac
-calibrate() {  # model, micro-batch
-  timeout 150 torchrun --nproc_per_node 1 -m playground calibrate --backend torch --model "$1" --micro-batch-size "$2" \
-    --base $gpu-datasheet --name "$gpu-$1" --out "$LOGS/$gpu-$1.json" 2>&1 | grep -v "^W1" > "$LOGS/calibrate-$1.log"
-  echo "== calibrate $1 (exit ${PIPESTATUS[0]}): $(grep -E 'kernel_floor|selective_floor' "$LOGS/calibrate-$1.log" | tr '\n' ' ')"
-  tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .
-}
 c="--dtype bfloat16 --steps 10 --bf16-copies"
-calibrate 350m 8
+calibrate $gpu 350m 8
 for round in "" _2; do
   run 350m_single$round 1 60 train $c --model 350m --micro-batch-size 8 --json "$LOGS/350m_single$round.json"
   run 1b-moe_1gpu$round 1 80 train $c --model 1b-moe --micro-batch-size 4 --json "$LOGS/1b-moe_1gpu$round.json"
   run 1b_single$round 1 70 train $c --model 1b --micro-batch-size 4 --json "$LOGS/1b_single$round.json"
-  [ -z "$round" ] && calibrate 1b-moe 4
+  [ -z "$round" ] && calibrate $gpu 1b-moe 4
 done

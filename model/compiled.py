@@ -24,6 +24,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from .region_timer import region_timer
 from .regions import compiled_kernels, fused_kernel, inlined
 
 
@@ -60,14 +61,18 @@ def region(name: str, io_bytes: int, fn, *args, checkpointed: bool = False, grap
     check's included, left as it is). `graph`: the call site's CUDA graphs
     (model/cuda_graphs.py), which replay the compiled region on a GPU, outside a
     checkpointed block (`checkpointed`: a replay rewrites the outputs the checkpoint would
-    keep)."""
+    keep). On CUDA under `timing_regions` (model/region_timer.py) the host's time in its call
+    and in its backward is timed."""
     t = args[0]
-    with fused_kernel(io_bytes, name):
+    with fused_kernel(io_bytes, name, graph=True):
         if t.is_meta and torch.is_grad_enabled():
             return partitioned(fn, name, *args)
         if graph is not None and t.is_cuda and not checkpointed:
-            return graph(fn, *args)
-        return fused_on(fn, t)(*args)
+            call = functools.partial(graph, fn, *args)
+        else:
+            call = functools.partial(fused_on(fn, t), *args)
+        timer = region_timer() if t.is_cuda else None  # (elsewhere its ops run one by one)
+        return call() if timer is None else timer.timed(name, call)
 
 
 def partitioned(fn, name: str, *args):

@@ -32,16 +32,18 @@ def _modes() -> list:
 
 
 @contextlib.contextmanager
-def fused_kernel(io_bytes: int, name: str, attention: bool = False):
+def fused_kernel(io_bytes: int, name: str, attention: bool = False, graph: bool = False):
     """The ops inside as one kernel moving io_bytes, for the simulator's dispatch modes when
     they are on (each mode with `fused`: the compute model prices the region as one kernel,
     simulator/compute_model.py; the memory tracker counts only what the region leaves,
     simulator/memory.py); else nothing. `attention`: a FlashAttention call (ring attention's
-    blocks), priced at the attention rate whatever dtype its matmuls are written in."""
+    blocks), priced at the attention rate whatever dtype its matmuls are written in. `graph`:
+    the call of a compiled region's forward graph (model/compiled.py), whose host cost goes
+    by the ops inside where the profile prices them (Hardware.region_op_floor)."""
     with contextlib.ExitStack() as stack:
         for mode in _modes():
             if hasattr(mode, "fused"):
-                stack.enter_context(mode.fused(io_bytes, name, attention=attention))
+                stack.enter_context(mode.fused(io_bytes, name, attention=attention, graph=graph))
         yield
 
 

@@ -26,11 +26,21 @@ from the `--base` profile (datasheet numbers); what is fitted:
   head dimension 8, a 512-token vocabulary and 16-token sequences (`narrow`: the same ops
   in the same order, each kernel a few µs, so the host's issuing is the step), its host
   time per step (the wall time less the waits for the device) less its collective calls
-  at `collective_floor`, over the ops a plan of the same program charges; at least the
-  time per op of a bare chain of tiny adds. (A tiny forward and backward of one block,
+  at `collective_floor` and, on CUDA, less the host's time inside its compiled regions'
+  calls, over the other ops a plan of the same program charges; at least the time per op
+  of a bare chain of tiny adds. (A tiny forward and backward of one block,
   the measure before it, is kept in the record: its fixed costs, the backward's start
   among them, fall on some hundred ops where a step has thousands, and it read 59.7 µs an
   op on a host where 350m's step then ran at under 30 µs.)
+- `region_op_floor`: what the host spends per op of a compiled region's graphs (the MoE
+  layer's, the optimizer's `master_adamw`: model/compiled.py), in the same narrow step: on
+  CUDA the host's time inside their forward calls and their backward nodes
+  (model/region_timer.py), over the ops of their forward and backward graphs a plan charges.
+  Priced apart because a compiled call's host cost is Inductor's wrapper launching the
+  graph's kernels, not an eager op's dispatch: on one H100 host 1b-moe's regions took 2.1 ms
+  a layer of its step, and a single floor over the whole step put that time on its eager
+  ops, fitting 45.7 µs where 350m's step fitted 31.0 (benchmarks/results/gpu/run76, run77).
+  Where the regions run op by op (CPUs), one kernel_floor.
 - `selective_floor`: what selective activation checkpointing adds to the host's time per op
   of a checkpointed block (torch's selective checkpoint runs each op of the forward and of
   the recomputation through a Python dispatch mode): that tiny block checkpointed under the
@@ -71,6 +81,7 @@ from simulator.clock import RankClock
 from simulator.compute_model import ComputeModel
 from simulator.cost_model import collective_cost
 from simulator.hardware import Hardware, load_hardware
+from model.region_timer import RegionTimer, timing_regions
 
 from .layout import Layout
 from .run_config import RunConfig
@@ -285,32 +296,44 @@ def program_run(cfg: GPTConfig, ranks: int, backend: str) -> RunConfig:
                      dtype="bfloat16", backend=backend, progress=False)
 
 
-def measure_program(world, cfg: GPTConfig, backend: str) -> dict:
+def measure_program(world, cfg: GPTConfig, backend: str, device: str = "cpu") -> dict:
     """The host's own time per step of the model's training program (`program_run`: the whole
     step, the optimizer, the NaN check and compiled regions included): each step's wall time
     less the time the host waited for the device (`host_blocked`, as benchmarks/fidelity.py
-    measures a run's), the median over the steps after the warm-up."""
+    measures a run's), the median over the steps after the warm-up. On CUDA the host's time
+    inside the compiled regions' calls too, forward and backward (model/region_timer.py), the
+    median of each step's (`region_host_s`), and of each step's time outside them
+    (`eager_host_s`)."""
     from .training import train_rank
-    out = train_rank(world, program_run(cfg, world.size, backend))
+    timer = RegionTimer() if device.startswith("cuda") else None
+    with timing_regions(timer):
+        out = train_rank(world, program_run(cfg, world.size, backend))
     own = [t - b for t, b in zip(out["step_times"], out["host_blocked"])][PROGRAM_WARMUP:]
-    return {"host_s": statistics.median(own), "steps_s": own}
+    got = {"host_s": statistics.median(own), "steps_s": own}
+    if timer is not None:
+        regions = out["region_host"][PROGRAM_WARMUP:]
+        got.update(region_host_s=statistics.median(regions), region_steps_s=regions,
+                   eager_host_s=statistics.median(o - r for o, r in zip(own, regions)))
+    return got
 
 
 def issued(run: RunConfig) -> tuple:
-    """(ops, collective calls) one step of `run` issues on its first rank, as a plan charges
-    them: `run` planned on a profile whose floors are one second an op (none a call), then one
-    second a call (none an op)."""
+    """(ops, ops of compiled regions' graphs, collective calls) one step of `run` issues on its
+    first rank, as a plan charges them: `run` planned on a profile whose floors are one second
+    an op outside compiled regions (none an op inside one, none a call), then one second an op
+    inside one, then one second a call."""
     from .planning import plan
     base = load_hardware("h100-sxm")
     counts = []
-    for op, call in ((1.0, 0.0), (0.0, 1.0)):
-        hw = dataclasses.replace(base, name="counting", kernel_floor=op, collective_floor=call, selective_floor=0.0)
+    for op, in_region, call in ((1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0)):
+        hw = dataclasses.replace(base, name="counting", kernel_floor=op, region_op_floor=in_region,
+                                 collective_floor=call, selective_floor=0.0)
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "counting.json")
             with open(path, "w") as f:
                 json.dump(hw.to_dict(), f)
             counts.append(plan(dataclasses.replace(run, hardware=path, backend="sim")).values[0]["step"]["issuing"])
-    return counts[0], counts[1]
+    return tuple(counts)
 
 
 def program_floor(host_s: float, ops: float, calls: float, collective_floor: float | None) -> float:
@@ -318,6 +341,21 @@ def program_floor(host_s: float, ops: float, calls: float, collective_floor: flo
     host took (`host_s`): that less its collective calls at the measured collective floor, over
     its ops."""
     return max(0.0, host_s - calls * (collective_floor or 0.0)) / ops
+
+
+def program_floors(program: dict, collective_floor: float | None) -> tuple:
+    """(kernel_floor, region_op_floor) from the program's host time and what a plan of it
+    issues (`issued`): where the host's time in compiled regions was timed (CUDA), those
+    regions' time over their graphs' ops, and the rest of the step (`program_floor`) over its
+    other ops; elsewhere the regions run op by op as the rest does, and the floor of both is
+    the whole step's over all its ops. (None for the regions where the program has none.)"""
+    if program.get("region_host_s") is None:
+        floor = program_floor(program["host_s"], program["ops"] + program["region_ops"], program["calls"],
+                              collective_floor)
+        return floor, floor if program["region_ops"] else None
+    floor = program_floor(program["host_s"] - program["region_host_s"], program["ops"], program["calls"],
+                          collective_floor)
+    return floor, program["region_host_s"] / program["region_ops"] if program["region_ops"] else None
 
 
 def measure_model_kernels(cfg, micro_batch, device) -> dict:
@@ -445,7 +483,7 @@ def measure(world, cfg: GPTConfig, micro_batch: int, max_mib: float, device: str
            "elementwise": measure_elementwise(cfg, tokens, device),
            "floor": measure_floor(device), "selective_floor": measure_selective_floor(cfg, device),
            "one_layer": measure_model_kernels(cfg, micro_batch, device),
-           "program": measure_program(world, cfg, backend), "collectives": []}
+           "program": measure_program(world, cfg, backend, device), "collectives": []}
     if world.size > 1:
         out["collective_floor"] = measure_collective_floor(world, device)
         for op in COLLECTIVES:
@@ -470,9 +508,12 @@ def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch:
     else:  # (no device profiler on CPUs) the elementwise kernels timed alone
         hbm_fraction = statistics.median(r["bytes"] / r["seconds"] for r in m["elementwise"]) / base.hbm_bandwidth
     collective_floor = m["collective_floor"]["playground_s"] if "collective_floor" in m else None
-    ops, calls = issued(program_run(cfg, p, "sim"))
-    program = {**m["program"], "ops": ops, "calls": calls}
-    floor = max(m["floor"], program_floor(program["host_s"], ops, calls, collective_floor))
+    ops, region_ops, calls = issued(program_run(cfg, p, "sim"))
+    program = {**m["program"], "ops": ops, "region_ops": region_ops, "calls": calls}
+    floor, region_op_floor = program_floors(program, collective_floor)
+    floor = max(m["floor"], floor)
+    if program.get("region_host_s") is None and region_op_floor is not None:
+        region_op_floor = floor  # (the regions' ops run as the step's others do)
     alpha, bandwidth = base.nvlink_latency, base.nvlink_bandwidth
     points = [(c["op"], c["size"], c["seconds"]) for c in m["collectives"]]
     if points:
@@ -481,6 +522,7 @@ def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch:
     hw = dataclasses.replace(
         base, name=name, matmul_fraction=matmul_fraction, fp32_flops=fp32, attention_fraction=attention_fraction,
         hbm_fraction=hbm_fraction, kernel_floor=floor, selective_floor=m["selective_floor"],
+        region_op_floor=region_op_floor,
         hbm_capacity=float(m["capacity"] or base.hbm_capacity),
         collective_floor=collective_floor,
         nvlink_latency=alpha, nvlink_bandwidth=bandwidth,
@@ -544,6 +586,24 @@ def _calls(program: dict) -> str:
     return f" and {program['calls']:.0f} collective calls" if program["calls"] else ""
 
 
+def _program_lines(hw: Hardware, record: dict) -> list:
+    """kernel_floor's and region_op_floor's lines: what of the narrow step each is fitted on."""
+    program, us = record["program"], 1e6
+    timed = program.get("region_host_s") is not None
+    host, ops = (program["host_s"] - program["region_host_s"], program["ops"]) if timed else \
+        (program["host_s"], program["ops"] + program["region_ops"])
+    lines = [f"  kernel_floor       {hw.kernel_floor * us:.1f} µs  (host per op of the model's training step at head "
+             f"dimension 8: {host * 1e3:.2f} ms a step{' outside its compiled regions' if timed else ''} over {ops:.0f} "
+             f"ops{_calls(program)}; a tiny forward and backward of one block: "
+             f"{record['tiny_block_floor_s'] * us:.1f} µs, a chain of adds: {record['chain_floor_s'] * us:.1f} µs)"]
+    if hw.region_op_floor is None:
+        return lines + ["  region_op_floor    none  (the step has no compiled region: a call costs one kernel_floor)"]
+    return lines + [f"  region_op_floor    {hw.region_op_floor * us:.1f} µs  " + (
+        f"(host per op of a compiled region's graph, in the same step: {program['region_host_s'] * 1e3:.2f} ms a step "
+        f"in their calls, forward and backward, over {program['region_ops']:.0f} ops)" if timed else
+        "(the regions run op by op on this device: one kernel_floor)")]
+
+
 def summary(hw: Hardware, record: dict) -> str:
     """The fitted constants and the error of the fit per kind of measurement."""
     def spread(rows):
@@ -559,10 +619,7 @@ def summary(hw: Hardware, record: dict) -> str:
              f"({hw.attention_fraction * hw.peak_bf16_flops / 1e12:.0f} TFLOP/s, causal fwd+bwd)",
              f"  hbm_fraction       {hw.hbm_fraction:.3f}  ({hw.hbm_fraction * hw.hbm_bandwidth / 1e12:.2f} TB/s; "
              f"per kernel {spread(record['elementwise'])})",
-             f"  kernel_floor       {hw.kernel_floor * 1e6:.1f} µs  (host per op of the model's training step at "
-             f"head dimension 8: {record['program']['host_s'] * 1e3:.2f} ms a step over {record['program']['ops']:.0f} "
-             f"ops{_calls(record['program'])}; a tiny forward and backward of one block: "
-             f"{record['tiny_block_floor_s'] * 1e6:.1f} µs, a chain of adds: {record['chain_floor_s'] * 1e6:.1f} µs)",
+             *_program_lines(hw, record),
              f"  selective_floor    {hw.selective_floor * 1e6:.1f} µs  (host per op a selective checkpoint's "
              f"dispatch mode adds, in the forward and the recomputation: that tiny block, selective less full)",
              _one_layer_line(record["one_layer"]),

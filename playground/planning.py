@@ -263,6 +263,10 @@ def summary(p: Plan, headroom: float = DEFAULT_HEADROOM) -> str:
         lines.append(f"(--ac {layout.ac}: what selective checkpointing's dispatch mode costs the host per op, "
                      f"not measured on {run.hardware}, is not priced; a host-bound step can run slower than under "
                      f"full recomputation: `playground calibrate` measures it)")
+    if cfg.n_experts and hw.region_op_floor is None:
+        lines.append(f"(the MoE layer's compiled regions: each call priced one kernel floor, their cost per op "
+                     f"not measured on {run.hardware}; a host-bound step can run slower: `playground calibrate` "
+                     f"measures it)")
     pipeline = layout.pp > 1
     rows = [[f"{v['step']['time'] * 1e3:.2f} ms", f"{v['step']['compute'] * 1e3:.2f} ms",
              f"{v['step']['host'] * 1e3:.2f} ms", f"{v['step']['exposed_comm'] * 1e3:.2f} ms", f"{v['step']['idle'] * 1e3:.2f} ms"]

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from collectives import CollectiveTimeoutError, RankFailedError, launch
 from model.dropout import seed_dropout
+from model.region_timer import region_timer
 from simulator import SimulatedTime
 
 from . import checkpoint
@@ -173,11 +174,15 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
     prefetch = Prefetch(source, layout.global_batch, cfg.seq_len, rank.rows, device, start, run.steps) \
         if device.startswith("cuda") else None
     device_steps = DeviceSteps() if device.startswith("cuda") else None  # each step's time on the device
+    regions = region_timer()  # the host's time in compiled regions, where calibrate times it
+    if regions is not None:
+        out["region_host"] = []
     for i, step in enumerate(range(start, run.steps)):  # (the data is a function of the step)
         faults.before_step(world, step + 1)  # (an injected crash raises, a hang stops answering)
         if timing:
             timing.compute_model.slowdown = faults.slowdown(step + 1)
         t0, blocked0 = time.perf_counter(), world.host_blocked()
+        in_regions0 = regions.seconds if regions is not None else 0.0
         if device_steps is not None:
             device_steps.started()
         replay = None if run.count_every_step else ("record" if i == 1 else "replay" if i > 1 else None)
@@ -246,6 +251,8 @@ def train_rank(world, run: RunConfig, collect: bool = False, source=None, init=N
             device_steps.ended()
         out["step_times"].append(time.perf_counter() - t0)
         out["host_blocked"].append(world.host_blocked() - blocked0 + checked)
+        if regions is not None:
+            out["region_host"].append(regions.seconds - in_regions0)
         if progress is not None and world.rank == 0:
             progress.step_ended(step + 1, clock.breakdown()["time"] if clock else None)
         if run.save and ((step + 1) % (run.save_every or run.steps) == 0 or step == run.steps - 1):

@@ -257,6 +257,8 @@ class ComputeModel(TorchDispatchMode):
             seconds = (flops / (self.attention_rate * self.attention_speed) if attention
                        else self._seconds(func, args, out, flops))
         if self._fused is not None:  # one kernel (or a compiled graph's): charged when the region ends
+            if not self._inlined and (nbytes or seconds):
+                self._fused[2] += 1  # (an op the graph launches: `region_op_floor`)
             if self._fused[1] == _BACK_TO_BACK and not self._inlined:
                 self._fused[0] += max(seconds, nbytes / self.byte_rate)
                 self.bytes += nbytes
@@ -275,13 +277,14 @@ class ComputeModel(TorchDispatchMode):
         if self.extra_floor and self._fused is None:
             self.clock.launch(self.extra_floor * self.slowdown, 0.0, None)
 
-    def _kernel(self, name: str, seconds: float, nbytes: int) -> None:
+    def _kernel(self, name: str, seconds: float, nbytes: int, host: float | None = None) -> None:
         """One kernel of max(its FLOP time, its bytes' time), issued by the host one floor
-        after the previous (the clock's two queues); counted, and kept by name in `by_op`."""
+        (or `host` seconds) after the previous (the clock's two queues); counted, and kept by
+        name in `by_op`."""
         cost = max(seconds, nbytes / self.byte_rate) * self.slowdown
         self.bytes += nbytes
         self.kernels += 1
-        self.clock.launch((self.floor + self.extra_floor) * self.slowdown, cost, name)
+        self.clock.launch(((self.floor if host is None else host) + self.extra_floor) * self.slowdown, cost, name)
         if self.by_op is not None:
             row = self.by_op.setdefault(name, [0, 0.0, 0])
             row[0], row[1], row[2] = row[0] + 1, row[1] + cost, row[2] + nbytes
@@ -308,30 +311,36 @@ class ComputeModel(TorchDispatchMode):
         return flops / self.flop_rate
 
     @contextlib.contextmanager
-    def fused(self, io_bytes: int, name: str = "fused", attention: bool = False):
+    def fused(self, io_bytes: int, name: str = "fused", attention: bool = False, graph: bool = False):
         """The ops inside run as one fused kernel (FlashAttention's tiles stay on chip): their
         FLOPs are counted as usual, their intermediate tensors move no HBM bytes; the
         region is one kernel of max(Σ FLOPs / rate, io_bytes / bandwidth), io_bytes being what
         the kernel reads and writes in HBM. `name`: the kernel's row in `by_op`; `attention`:
         the region is a FlashAttention call (ring attention's blocks), whose FLOPs run at the
-        attention rate whatever dtype the matmuls written out inside it use (float32 here)."""
-        with self._one_launch(name, attention, io_bytes):
+        attention rate whatever dtype the matmuls written out inside it use (float32 here).
+        `graph`: the region is a compiled graph's forward (model/compiled.py, `region`), whose
+        call costs the host the profile's `region_op_floor` per op it launches where the
+        profile has one."""
+        with self._one_launch(name, attention, io_bytes, graph):
             yield self
 
     @contextlib.contextmanager
-    def _one_launch(self, name: str, kind, io_bytes: int):
+    def _one_launch(self, name: str, kind, io_bytes: int, graph: bool = False):
         """The ops inside charged as one launch of `name` when the region ends (`_fused` holds
-        the seconds so far and `kind`: a fused kernel's attention flag, or `_BACK_TO_BACK`)."""
+        the seconds so far, `kind`: a fused kernel's attention flag, or `_BACK_TO_BACK`, and
+        the ops that launch); the host's cost one kernel floor, or for a compiled graph's call
+        (`graph`) `region_op_floor` an op where the profile measured it."""
         # (the mode may sit below others: activation checkpointing pushes its own)
         if self._fused is not None or self not in _get_current_dispatch_mode_stack():
             yield self  # nested (part of the outer region), or not counting (a replayed step)
             return
-        self._fused = [0.0, kind]
+        self._fused = [0.0, kind, 0]
         try:
             yield self
         finally:
-            seconds, self._fused = self._fused[0], None
-            self._kernel(name, seconds, io_bytes)
+            (seconds, _, ops), self._fused = self._fused, None
+            per_op = self.hw.region_op_floor if graph else None
+            self._kernel(name, seconds, io_bytes, None if per_op is None else per_op * ops)
 
     @contextlib.contextmanager
     def inlined(self):
@@ -370,8 +379,9 @@ class ComputeModel(TorchDispatchMode):
         """The ops inside as the kernels of one torch.compile'd graph (a compiled region's
         backward, model/compiled.py): on the device each as it would run alone, max(FLOP time,
         bytes time), back to back; on the host one call, not one floor per op (the graph
-        launches its kernels from one Python call)."""
-        with self._one_launch(name, _BACK_TO_BACK, 0):
+        launches its kernels from one Python call), at `region_op_floor` an op where the
+        profile measured it."""
+        with self._one_launch(name, _BACK_TO_BACK, 0, graph=True):
             yield self
 
     def optimizer_step(self, optimizer):

@@ -45,6 +45,9 @@ above with these; override them with a profile file):
 - no `selective_floor`: what selective activation checkpointing's Python dispatch mode adds
   to the host's cost per op is not priced (calibrate measures it: on one H100's host it
   made 1b-moe's host-bound step 1.6 times its full recomputation's);
+- no `region_op_floor`: a compiled region's call (its forward, its backward) costs the host
+  one kernel floor, however many kernels its graph launches (calibrate measures the cost per
+  op inside the model's step);
 - latencies α: 2 µs per NVLink step and 5 µs per network step, of the order of NCCL's
   own tuning model for its Simple protocol.
 The `h200` profile is not the datasheet's: `playground calibrate` fitted it on 2× H200
@@ -52,7 +55,7 @@ The `h200` profile is not the datasheet's: `playground calibrate` fitted it on 2
 tiles and the attention table by shape that benchmarks/shapes_gpu.py measured on an H200
 (its `sources`).
 A profile file (TOML or JSON) holds the same keys (`source` optional; `collective_floor`,
-`sm_count`, `matmul_tiles`, `attention_table`, `overlap_slowdown` and `selective_floor` optional; a `calibration` table, as
+`sm_count`, `matmul_tiles`, `attention_table`, `overlap_slowdown`, `selective_floor` and `region_op_floor` optional; a `calibration` table, as
 calibrate writes, and a `sources` table citing each number are kept for the record and not
 read); missing keys are an error.
 """
@@ -104,6 +107,13 @@ class Hardware:
     # checkpoint runs every such op through a Python dispatch mode (its caching and its replay;
     # `playground calibrate` measures it). None: not measured, nothing charged (a plan says so)
     selective_floor: float | None = None
+    # seconds the host takes per op of a compiled region's graph (model/compiled.py: its
+    # forward call and its backward's, each op that launches, views and the recomputation
+    # Inductor fuses into its consumers not counted): torch.compile's call runs Inductor's
+    # wrapper, which launches the graph's kernels one by one, at a cost per op of its own
+    # (`playground calibrate` times the calls inside the model's step). None: not measured, a
+    # call costs one kernel_floor
+    region_op_floor: float | None = None
 
     @property
     def call_floor(self) -> float:
@@ -190,7 +200,8 @@ def profile_names() -> list:
     return sorted(set(PROFILES) | set(shipped))
 
 
-_OPTIONAL = ("collective_floor", "sm_count", "matmul_tiles", "attention_table", "overlap_slowdown", "selective_floor")
+_OPTIONAL = ("collective_floor", "sm_count", "matmul_tiles", "attention_table", "overlap_slowdown", "selective_floor",
+             "region_op_floor")
 
 
 def hardware_from_dict(data: dict, where: str = "profile") -> Hardware:
@@ -227,7 +238,7 @@ def hardware_from_dict(data: dict, where: str = "profile") -> Hardware:
 
 _FRACTIONS = ("matmul_fraction", "hbm_fraction", "attention_fraction")  # of a peak: in (0, 1]
 _AT_LEAST_ZERO = ("nvlink_latency", "network_latency", "kernel_floor", "collective_floor", "overlap_slowdown",
-                  "selective_floor")
+                  "selective_floor", "region_op_floor")
 
 
 def _out_of_range(name: str, x):

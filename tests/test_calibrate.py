@@ -10,7 +10,7 @@ import pytest
 from model import preset
 from playground import Layout, RunConfig
 from playground.calibrate import (coefficients, cost_op, fit_alpha_beta, gemm_shapes, issued, narrow, op_class,
-                                  program_floor, program_run)
+                                  program_floor, program_floors, program_run)
 from playground.cli import main
 from playground.planning import plan
 from simulator.cost_model import collective_cost
@@ -62,8 +62,11 @@ def test_calibrate_writes_a_profile_that_plan_takes(tmp_path):
     # the kernel floor makes a plan of the timed program issue its step in the host's time
     program = record["program"]
     assert "a step over" in r.stdout and program["ops"] > 100 and program["calls"] > 0
+    # (on a CPU the compiled regions run op by op, at the floor of the rest: nothing timed apart)
+    assert "region_op_floor" in r.stdout and program["region_ops"] > 0 and hw.region_op_floor == hw.kernel_floor
+    assert "region_host_s" not in program
     if hw.kernel_floor > record["chain_floor_s"]:
-        planned = program["ops"] * hw.kernel_floor + program["calls"] * hw.collective_floor
+        planned = (program["ops"] + program["region_ops"]) * hw.kernel_floor + program["calls"] * hw.collective_floor
         assert planned == pytest.approx(program["host_s"], rel=1e-9)
 
 
@@ -95,15 +98,27 @@ def test_the_shipped_h200_profile_is_calibrated_and_files_must_be_complete(tmp_p
 @pytest.mark.parametrize("name", ["small", "tiny-dsmoe"])
 def test_the_narrow_program_issues_the_ops_of_the_model_at_its_width(name):
     """The kernel floor is timed on `narrow(cfg)` and charged on `cfg`: the two must issue the
-    same ops and calls (a dense model and one with shared experts and compiled MoE regions)."""
+    same ops, ops of compiled regions (the optimizer's master_adamw in both, the MoE layer's)
+    and calls (a dense model and one with shared experts and compiled MoE regions)."""
     cfg = preset(name)
     narrow_ops = issued(program_run(cfg, 2, "sim"))
     wide = RunConfig(model=cfg, layout=Layout(dp=2, micro_batch_size=1), dtype="bfloat16", progress=False)
     assert narrow(cfg).d_model == 8 * cfg.n_heads and narrow(cfg).n_layers == cfg.n_layers
-    assert narrow_ops == issued(wide) and narrow_ops[0] > 100 and narrow_ops[1] > 0
+    ops, region_ops, calls = narrow_ops
+    assert narrow_ops == issued(wide) and ops > 100 and region_ops > 0 and calls > 0
 
 
 def test_the_program_floor_puts_the_host_time_on_the_ops_after_the_calls():
     assert program_floor(0.010, 200, 4, 1e-3) == pytest.approx((0.010 - 0.004) / 200)
     assert program_floor(0.010, 200, 0, None) == pytest.approx(0.010 / 200)
     assert program_floor(0.001, 200, 4, 1e-3) == 0.0  # (the calls took all of it: no negative floor)
+
+
+def test_the_program_floors_put_the_regions_time_on_their_ops_and_the_rest_on_the_others():
+    """Timed on CUDA: the regions' host time over their graphs' ops, the rest of the step less
+    the calls over the other ops. Elsewhere (regions run op by op): one floor over all ops."""
+    program = {"host_s": 0.010, "region_host_s": 0.004, "ops": 200, "region_ops": 400, "calls": 2}
+    assert program_floors(program, 1e-3) == (pytest.approx((0.010 - 0.004 - 0.002) / 200), pytest.approx(1e-5))
+    untimed = {k: v for k, v in program.items() if k != "region_host_s"}
+    assert program_floors(untimed, 1e-3) == (pytest.approx(0.008 / 600), pytest.approx(0.008 / 600))
+    assert program_floors({**program, "region_ops": 0}, None)[1] is None

@@ -167,3 +167,61 @@ def test_the_recomputation_a_regions_backward_sets_off_is_launched_op_by_op(poli
     assert launched.get("sigmoid") == 2, launched  # (the forward's, the recomputation's)
     assert launched.get("swiglu") == 2, launched  # (the region's forward as one call, twice)
     assert launched.get("swiglu_backward") == 1, launched
+
+
+def _exp_line(x):
+    return (x * 2 + 1).exp()
+
+
+@pytest.mark.parametrize("region_op_floor", [None, 1.0])
+def test_a_regions_calls_cost_the_host_its_graphs_ops_where_the_profile_prices_them(region_op_floor):
+    """(2x + 1).exp() as a region: its forward graph launches three ops (mul, add, exp), its
+    backward two (the output gradient times the saved exp, times 2). At `region_op_floor` a
+    second an op its calls cost the host 3 s and 2 s whatever the kernel floor; without one,
+    one kernel floor each (a compiled call, however many kernels it launches)."""
+    import dataclasses
+
+    from simulator.clock import RankClock
+    from simulator.compute_model import ComputeModel
+    from simulator.hardware import load_hardware
+
+    floor = 1000.0
+    hw = dataclasses.replace(load_hardware("h100-sxm"), kernel_floor=floor, region_op_floor=region_op_floor)
+    compute = ComputeModel(hw, RankClock())
+    x = torch.empty(64, 64, device="meta", requires_grad=True)
+    with compute:
+        y = region("exp_line", 0, _exp_line, x)
+        forward = compute.clock.issuing
+        grad = torch.ones_like(y)
+        before = compute.clock.issuing
+        torch.autograd.grad(y, x, grad)
+        backward = compute.clock.issuing - before
+    assert (forward, backward) == ((floor, floor) if region_op_floor is None else (3.0, 2.0))
+
+
+def test_the_region_timer_times_a_call_and_the_backward_node_below_its_views():
+    """RegionTimer.timed: the host's time in the call, and from its node's start to its end in
+    the backward, found below a view of the output."""
+    import time
+
+    from model.region_timer import RegionTimer, backward_node
+
+    class Slow(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            time.sleep(0.02)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            time.sleep(0.04)
+            return g * 2
+
+    timer = RegionTimer()
+    x = torch.ones(4, requires_grad=True)
+    y = timer.timed("slow", lambda: Slow.apply(x).view(2, 2))
+    assert backward_node(y).name() == "SlowBackward"
+    y.sum().backward()
+    (name, way, fwd), (_, way_back, bwd) = timer.calls
+    assert (name, way, way_back) == ("slow", "forward", "backward") and 0.02 <= fwd < 0.04 <= bwd < 0.1
+    assert timer.seconds == pytest.approx(fwd + bwd) and torch.equal(x.grad, torch.full((4,), 2.0))

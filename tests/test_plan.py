@@ -241,6 +241,19 @@ def test_a_bf16_plan_says_which_recipe_it_prices():
     assert "autocast" not in fp32 and "), float32, on h200" in fp32
 
 
+def test_a_moe_plan_on_a_profile_without_region_costs_says_its_regions_are_priced_a_floor_a_call(tmp_path):
+    """A profile without `region_op_floor` prices each compiled call one kernel floor: a MoE
+    plan says so; one on a profile that measured it, and a dense plan, do not."""
+    def header(model, hardware):
+        return summary(plan(RunConfig(model=preset(model), layout=Layout(), dtype="bfloat16", hardware=hardware,
+                                      progress=False)))
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps({**load_hardware("h200").to_dict(), "region_op_floor": 8e-6}))
+    note = "compiled regions: each call priced one kernel floor"
+    assert note in header("tiny-moe", "h200")
+    assert note not in header("tiny-moe", str(measured)) and note not in header("tiny", "h200")
+
+
 @pytest.mark.parametrize("dtype,model_kw,layout_kw", [
     # float32 experts run as a loop over the experts, whose counts a plan has no values of
     ("float32", {}, {}),
