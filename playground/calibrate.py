@@ -313,8 +313,19 @@ def measure_program(world, cfg: GPTConfig, backend: str, device: str = "cpu") ->
     if timer is not None:
         regions = out["region_host"][PROGRAM_WARMUP:]
         got.update(region_host_s=statistics.median(regions), region_steps_s=regions,
-                   eager_host_s=statistics.median(o - r for o, r in zip(own, regions)))
+                   eager_host_s=statistics.median(o - r for o, r in zip(own, regions)),
+                   regions=region_calls(timer, PROGRAM_STEPS))
     return got
+
+
+def region_calls(timer: RegionTimer, steps: int) -> list:
+    """Per region and way (forward, backward): its calls a step and the median host seconds of
+    a call over the last half of its calls (past compilation), for the record."""
+    by = {}
+    for name, way, seconds in timer.calls:
+        by.setdefault((name, way), []).append(seconds)
+    return [{"region": name, "way": way, "calls_per_step": len(times) / steps,
+             "median_s": statistics.median(times[len(times) // 2:])} for (name, way), times in sorted(by.items())]
 
 
 def issued(run: RunConfig) -> tuple:

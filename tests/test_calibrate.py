@@ -10,7 +10,7 @@ import pytest
 from model import preset
 from playground import Layout, RunConfig
 from playground.calibrate import (coefficients, cost_op, fit_alpha_beta, gemm_shapes, issued, narrow, op_class,
-                                  program_floor, program_floors, program_run)
+                                  program_floor, program_floors, program_run, region_calls)
 from playground.cli import main
 from playground.planning import plan
 from simulator.cost_model import collective_cost
@@ -122,3 +122,14 @@ def test_the_program_floors_put_the_regions_time_on_their_ops_and_the_rest_on_th
     untimed = {k: v for k, v in program.items() if k != "region_host_s"}
     assert program_floors(untimed, 1e-3) == (pytest.approx(0.008 / 600), pytest.approx(0.008 / 600))
     assert program_floors({**program, "region_ops": 0}, None)[1] is None
+
+
+def test_the_region_calls_are_kept_per_region_and_way_past_compilation():
+    from model.region_timer import RegionTimer
+    timer = RegionTimer()
+    timer.calls = [("moe", "forward", 9.0), ("moe", "backward", 5.0), ("moe", "forward", 1.0),
+                   ("moe", "backward", 2.0), ("adamw", "forward", 0.5), ("adamw", "forward", 0.25)]
+    assert region_calls(timer, 2) == [
+        {"region": "adamw", "way": "forward", "calls_per_step": 1.0, "median_s": 0.25},
+        {"region": "moe", "way": "backward", "calls_per_step": 1.0, "median_s": 2.0},
+        {"region": "moe", "way": "forward", "calls_per_step": 1.0, "median_s": 1.0}]
