@@ -4,6 +4,7 @@
 # torch backend (LAUNCH, if set, in place of `-m playground`: benchmarks/with_inductor.py's), its log in $LOGS/NAME.log, a one-line verdict printed, and every log
 # packed into $OUT/gpu_logs.tgz after each run (the device tool brings back few files);
 # device_profile NAME PLAYGROUND-TRAIN-ARGS...: one such run with the device alone recorded;
+# one_gpu_host: the GPU and the host's CPU written to $LOGS/gpus.txt, $gpu set to h100 or h200;
 # calibrate GPU MODEL MICRO-BATCH: `playground calibrate` on one GPU from GPU's datasheet
 # (h100 or h200), its profile in $LOGS/GPU-MODEL.json, its floors printed.
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -31,4 +32,9 @@ calibrate() {  # gpu, model, micro-batch
     --base "$1-datasheet" --name "$1-$2" --out "$LOGS/$1-$2.json" 2>&1 | grep -v "^W1" > "$LOGS/calibrate-$2.log"
   echo "== calibrate $2 (exit ${PIPESTATUS[0]}): $(grep -E '_floor' "$LOGS/calibrate-$2.log" | cut -c1-200 | tr '\n' ' ')"
   tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .
+}
+one_gpu_host() {
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$LOGS/gpus.txt"
+  lscpu | grep -E "Model name|^CPU\(s\)" >> "$LOGS/gpus.txt"
+  case $(head -1 "$LOGS/gpus.txt") in *H100*) gpu=h100 ;; *) gpu=h200 ;; esac
 }

@@ -9,9 +9,7 @@
 # bf16 with compute copies, 10 steps each, --json in $LOGS.
 set -uo pipefail
 source benchmarks/gpu_common.sh
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$LOGS/gpus.txt"
-lscpu | grep -E "Model name|^CPU\(s\)" >> "$LOGS/gpus.txt"
-case $(head -1 "$LOGS/gpus.txt") in *H100*) gpu=h100 ;; *) gpu=h200 ;; esac
+one_gpu_host
 c="--dtype bfloat16 --steps 10 --bf16-copies"
 calibrate $gpu 350m 8
 for round in "" _2; do

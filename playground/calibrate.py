@@ -354,19 +354,26 @@ def program_floor(host_s: float, ops: float, calls: float, collective_floor: flo
     return max(0.0, host_s - calls * (collective_floor or 0.0)) / ops
 
 
-def program_floors(program: dict, collective_floor: float | None) -> tuple:
-    """(kernel_floor, region_op_floor) from the program's host time and what a plan of it
-    issues (`issued`): where the host's time in compiled regions was timed (CUDA), those
-    regions' time over their graphs' ops, and the rest of the step (`program_floor`) over its
-    other ops; elsewhere the regions run op by op as the rest does, and the floor of both is
-    the whole step's over all its ops. (None for the regions where the program has none.)"""
+def eager_part(program: dict) -> tuple:
+    """(host seconds, ops) of the program that the kernel floor is fitted on: where the host's
+    time in compiled regions was timed (CUDA), the step less it over the other ops; elsewhere
+    the regions run op by op as the rest does, the whole step over all its ops."""
     if program.get("region_host_s") is None:
-        floor = program_floor(program["host_s"], program["ops"] + program["region_ops"], program["calls"],
-                              collective_floor)
-        return floor, floor if program["region_ops"] else None
-    floor = program_floor(program["host_s"] - program["region_host_s"], program["ops"], program["calls"],
-                          collective_floor)
-    return floor, program["region_host_s"] / program["region_ops"] if program["region_ops"] else None
+        return program["host_s"], program["ops"] + program["region_ops"]
+    return program["host_s"] - program["region_host_s"], program["ops"]
+
+
+def program_floors(program: dict, collective_floor: float | None, at_least: float = 0.0) -> tuple:
+    """(kernel_floor, region_op_floor) from the program's host time and what a plan of it
+    issues (`issued`): the kernel floor `program_floor` over `eager_part`, at least `at_least`;
+    the regions' timed time over their graphs' ops, or where untimed the kernel floor (None
+    where the program has no region)."""
+    host, ops = eager_part(program)
+    floor = max(at_least, program_floor(host, ops, program["calls"], collective_floor))
+    if not program["region_ops"]:
+        return floor, None
+    timed = program.get("region_host_s")
+    return floor, floor if timed is None else timed / program["region_ops"]
 
 
 def measure_model_kernels(cfg, micro_batch, device) -> dict:
@@ -521,10 +528,7 @@ def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch:
     collective_floor = m["collective_floor"]["playground_s"] if "collective_floor" in m else None
     ops, region_ops, calls = issued(program_run(cfg, p, "sim"))
     program = {**m["program"], "ops": ops, "region_ops": region_ops, "calls": calls}
-    floor, region_op_floor = program_floors(program, collective_floor)
-    floor = max(m["floor"], floor)
-    if program.get("region_host_s") is None and region_op_floor is not None:
-        region_op_floor = floor  # (the regions' ops run as the step's others do)
+    floor, region_op_floor = program_floors(program, collective_floor, at_least=m["floor"])
     alpha, bandwidth = base.nvlink_latency, base.nvlink_bandwidth
     points = [(c["op"], c["size"], c["seconds"]) for c in m["collectives"]]
     if points:
@@ -601,8 +605,7 @@ def _program_lines(hw: Hardware, record: dict) -> list:
     """kernel_floor's and region_op_floor's lines: what of the narrow step each is fitted on."""
     program, us = record["program"], 1e6
     timed = program.get("region_host_s") is not None
-    host, ops = (program["host_s"] - program["region_host_s"], program["ops"]) if timed else \
-        (program["host_s"], program["ops"] + program["region_ops"])
+    host, ops = eager_part(program)
     lines = [f"  kernel_floor       {hw.kernel_floor * us:.1f} µs  (host per op of the model's training step at head "
              f"dimension 8: {host * 1e3:.2f} ms a step{' outside its compiled regions' if timed else ''} over {ops:.0f} "
              f"ops{_calls(program)}; a tiny forward and backward of one block: "
