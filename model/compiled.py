@@ -50,7 +50,7 @@ def fused_on(fn, t):
     return compiled(fn) if t.is_cuda and not torch.compiler.is_compiling() else fn
 
 
-def region(name: str, io_bytes: int, fn, *args, checkpointed: bool = False, graph=None):
+def region(name: str, io_bytes: int, fn, *args, checkpointed: bool = False, graph=None, optimizer: bool = False):
     """fn(*args) as a GPU runs it: compiled on CUDA (`fused_on`); priced by the simulator as
     one kernel moving io_bytes (a plan's meta ranks, and CPU ranks with simulated time, run
     its ops one by one); on the meta device with the tensors saved for backward and the
@@ -62,9 +62,10 @@ def region(name: str, io_bytes: int, fn, *args, checkpointed: bool = False, grap
     (model/cuda_graphs.py), which replay the compiled region on a GPU, outside a
     checkpointed block (`checkpointed`: a replay rewrites the outputs the checkpoint would
     keep). On CUDA under `timing_regions` (model/region_timer.py) the host's time in its call
-    and in its backward is timed."""
+    and in its backward is timed. `optimizer`: the region is an optimizer's pass
+    (`fused_kernel`)."""
     t = args[0]
-    with fused_kernel(io_bytes, name, graph=True):
+    with fused_kernel(io_bytes, name, graph=True, optimizer=optimizer):
         if t.is_meta and torch.is_grad_enabled():
             return partitioned(fn, name, *args)
         if graph is not None and t.is_cuda and not checkpointed:

@@ -32,18 +32,20 @@ def _modes() -> list:
 
 
 @contextlib.contextmanager
-def fused_kernel(io_bytes: int, name: str, attention: bool = False, graph: bool = False):
+def fused_kernel(io_bytes: int, name: str, attention: bool = False, graph: bool = False, optimizer: bool = False):
     """The ops inside as one kernel moving io_bytes, for the simulator's dispatch modes when
     they are on (each mode with `fused`: the compute model prices the region as one kernel,
     simulator/compute_model.py; the memory tracker counts only what the region leaves,
     simulator/memory.py); else nothing. `attention`: a FlashAttention call (ring attention's
     blocks), priced at the attention rate whatever dtype its matmuls are written in. `graph`:
     the call of a compiled region's forward graph (model/compiled.py), whose host cost goes
-    by the ops inside where the profile prices them (Hardware.region_op_floor)."""
+    by the ops inside where the profile prices them (Hardware.region_op_floor). `optimizer`: an
+    optimizer's pass over a flat unit, its bytes at the rate such passes reach
+    (Hardware.optimizer_hbm_fraction)."""
     with contextlib.ExitStack() as stack:
         for mode in _modes():
             if hasattr(mode, "fused"):
-                stack.enter_context(mode.fused(io_bytes, name, attention=attention, graph=graph))
+                stack.enter_context(mode.fused(io_bytes, name, attention=attention, graph=graph, optimizer=optimizer))
         yield
 
 

@@ -13,14 +13,25 @@ from the `--base` profile (datasheet numbers); what is fitted:
   FLOP/s over the bf16 peak, weighted by FLOPs (the time the model spends in them).
 - `fp32_flops`: the same GEMMs in float32, so that `fp32_flops · matmul_fraction` is the
   achieved rate (torch's default float32 matmuls, TF32 off).
-- `attention_fraction`: causal `scaled_dot_product_attention` forward and backward at
-  the model's shape, FLOPs counted as the compute model counts them (the causal half).
+- `attention_fraction`, `attention_table`: causal `scaled_dot_product_attention` forward
+  and backward, FLOPs counted as the compute model counts them (the causal half), at the
+  model's shape (the fraction) and, on CUDA, at head dimensions 64, 128 and the model's
+  over sequences of 512-16384 tokens at the model's tokens and width (the table a plan
+  reads by head dimension and sequence, `attention_shapes`): a kernel's efficiency moves
+  with the sequence (`attention_shapes`), and a profile fitted at one shape alone planned
+  every model's attention at that shape's rate.
 - `hbm_fraction`: one block and the head of the model, forward and backward, under
   torch's profiler: the bytes its copies and elementwise ops (normalisation, RoPE,
   SwiGLU, the loss) move, as the compute model counts them on meta tensors, over their
   profiled device time, over the base bandwidth. Without a device profiler (CPUs): the
   median over elementwise kernels timed alone (copy, add, mul, SiLU, a cast, a scale),
   which are measured everywhere and kept in the record.
+- `optimizer_hbm_fraction`: one pass of zero/master_adamw.py's step over a flat unit of 64 Mi
+  parameters (1 Mi on CPUs), its 28 bytes a parameter over its time, over the base
+  bandwidth: the rate a plan gives the optimizer's passes (on one H100 the step's pass ran
+  at 0.78 of the bandwidth where the model's elementwise kernels ran at 0.65, and a plan at
+  the latter put 1b-moe's optimizer at 12.4 ms a step against 10.3 measured:
+  benchmarks/results/gpu/run71_h100_moe_recompute_profiles, run78_region_floor_h100).
 - `kernel_floor`: what the host spends per op of the model's own training step: the
   whole step (all its blocks, the optimizer, the NaN check, compiled regions) trained at
   head dimension 8, a 512-token vocabulary and 16-token sequences (`narrow`: the same ops
@@ -132,7 +143,7 @@ def measure_matmuls(cfg, tokens, device, dtype) -> list:
     rows = []
     for m, k, n in gemm_shapes(cfg, tokens):
         a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
-        t = timed(lambda: a @ b, device)
+        t = timed(lambda: a @ b, device, inner=5)  # (back to back: the device's time, not the launch's)
         rows.append({"m": m, "k": k, "n": n, "dtype": str(dtype).removeprefix("torch."), "flops": 2 * m * k * n,
                      "seconds": t})
         del a, b
@@ -160,16 +171,58 @@ def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
     return counted(program).flops
 
 
-def measure_attention(cfg, batch, device) -> dict:
-    q = torch.randn(batch, cfg.n_heads, cfg.seq_len, cfg.head_dim, device=device, dtype=torch.bfloat16,
-                    requires_grad=True)
-    grad = torch.randn_like(q)
+ATTENTION_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+ATTENTION_HEAD_DIMS = (64, 128)
 
-    def step():
-        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
-        out.backward(grad)
-    return {"batch": batch, "heads": cfg.n_heads, "seq": cfg.seq_len, "head_dim": cfg.head_dim,
-            "flops": attention_flops(batch, cfg.n_heads, cfg.seq_len, cfg.head_dim), "seconds": timed(step, device)}
+
+def attention_shapes(cfg, batch: int, cuda: bool) -> list:
+    """[(batch, heads, seq, head_dim)] calibrate times attention at: the model's own and, on
+    CUDA, head dimensions 64, 128 and the model's at sequences 512-16384 and the model's,
+    each at the model's tokens (micro-batch × sequence) and width (heads × head dimension),
+    as a training step at that sequence would hold them. (An attention kernel's efficiency
+    moves with both: on one H100, 0.12 of the peak at head dimension 64 and 1,024 tokens,
+    0.25 at 2,048, benchmarks/results/gpu/run78_region_floor_h100.) On CPUs the model's alone."""
+    own = (batch, cfg.n_heads, cfg.seq_len, cfg.head_dim)
+    if not cuda:
+        return [own]
+    tokens, width = batch * cfg.seq_len, cfg.n_heads * cfg.head_dim
+    shapes = {own}
+    for head_dim in sorted({*ATTENTION_HEAD_DIMS, cfg.head_dim}):
+        for seq in sorted({*ATTENTION_SEQS, cfg.seq_len}):
+            shapes.add((max(1, tokens // seq), max(1, width // head_dim), seq, head_dim))
+    return sorted(shapes, key=lambda s: (s[3], s[2]))
+
+
+def measure_attention(cfg, batch, device) -> list:
+    """Causal SDPA forward and backward (separate query, key and value, as the model's) at
+    each of `attention_shapes`: [{batch, heads, seq, head_dim, flops, seconds}]."""
+    rows = []
+    for b, heads, seq, head_dim in attention_shapes(cfg, batch, device.startswith("cuda")):
+        q, k, v = (torch.randn(b, heads, seq, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        grad = torch.randn_like(q)
+
+        def step():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.backward(grad)
+        rows.append({"batch": b, "heads": heads, "seq": seq, "head_dim": head_dim,
+                     "flops": attention_flops(b, heads, seq, head_dim), "seconds": timed(step, device, inner=3)})
+        del q, k, v, grad
+    return rows
+
+
+def fit_attention(rows: list, cfg, peak: float) -> tuple:
+    """(attention_fraction at the model's own shape, attention_table or None): each measured
+    point's FLOP/s over the bf16 peak, by head dimension and sequence (Hardware.attention_table,
+    interpolated in log(sequence) between the points); no table from a single point."""
+    fraction = {(r["head_dim"], r["seq"]): r["flops"] / r["seconds"] / peak for r in rows}
+    own = fraction[(cfg.head_dim, cfg.seq_len)]
+    if len(fraction) == 1:
+        return own, None
+    table = {}
+    for (head_dim, seq), f in sorted(fraction.items()):
+        table.setdefault(head_dim, []).append((seq, f))
+    return own, {d: tuple(points) for d, points in table.items()}
 
 
 def measure_elementwise(cfg, tokens, device) -> list:
@@ -190,6 +243,23 @@ def measure_elementwise(cfg, tokens, device) -> list:
     for name, (fn, nbytes) in kernels.items():
         rows.append({"kernel": name, "bytes": nbytes, "seconds": timed(fn, device, inner=5)})
     return rows
+
+
+def measure_optimizer(device: str) -> dict:
+    """One pass of zero/master_adamw.py's step over a flat unit of fp32 masters from bf16
+    gradients, writing bf16 compute copies (compiled on CUDA: one kernel; op by op on CPUs):
+    {elements, bytes (28 a parameter: masters and moments read and written, the gradient
+    read, the copy written), seconds}. The unit is 64 Mi elements on CUDA (a 1b block's
+    flat unit is of that order), 1 Mi on CPUs."""
+    from zero.master_adamw import master_adamw
+    from zero.optimizer import adamw
+    n = 1 << (26 if device.startswith("cuda") else 20)
+    master = torch.zeros(n, device=device, dtype=torch.float32, requires_grad=True)
+    grad = torch.randn(n, device=device, dtype=torch.bfloat16)
+    copy = torch.empty(n, device=device, dtype=torch.bfloat16)
+    opt = adamw([master], lr=1e-4)
+    seconds = timed(lambda: master_adamw(opt, [grad], [copy]), device, inner=3)
+    return {"elements": n, "bytes": 28 * n, "seconds": seconds}
 
 
 def measure_floor(device, ops: int = 200) -> float:
@@ -498,7 +568,7 @@ def measure(world, cfg: GPTConfig, micro_batch: int, max_mib: float, device: str
            "matmul_bf16": measure_matmuls(cfg, tokens, device, torch.bfloat16),
            "matmul_fp32": measure_matmuls(cfg, tokens, device, torch.float32),
            "attention": measure_attention(cfg, micro_batch, device),
-           "elementwise": measure_elementwise(cfg, tokens, device),
+           "elementwise": measure_elementwise(cfg, tokens, device), "optimizer": measure_optimizer(device),
            "floor": measure_floor(device), "selective_floor": measure_selective_floor(cfg, device),
            "one_layer": measure_model_kernels(cfg, micro_batch, device),
            "program": measure_program(world, cfg, backend, device), "collectives": []}
@@ -516,7 +586,7 @@ def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch:
         return sum(r["flops"] for r in rows) / sum(r["seconds"] for r in rows)
     matmul_fraction = rate(m["matmul_bf16"]) / base.peak_bf16_flops
     fp32 = rate(m["matmul_fp32"]) / matmul_fraction
-    attention_fraction = m["attention"]["flops"] / m["attention"]["seconds"] / base.peak_bf16_flops
+    attention_fraction, attention_table = fit_attention(m["attention"], cfg, base.peak_bf16_flops)
     one = m["one_layer"]
     moved, _ = predicted_by_class(cfg, micro_batch, base)
     memory_bound = ("copy", "elementwise")
@@ -525,6 +595,7 @@ def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch:
         hbm_fraction = sum(moved.get(c, [0, 0, 0])[2] for c in memory_bound) / profiled / base.hbm_bandwidth
     else:  # (no device profiler on CPUs) the elementwise kernels timed alone
         hbm_fraction = statistics.median(r["bytes"] / r["seconds"] for r in m["elementwise"]) / base.hbm_bandwidth
+    optimizer_hbm_fraction = m["optimizer"]["bytes"] / m["optimizer"]["seconds"] / base.hbm_bandwidth
     collective_floor = m["collective_floor"]["playground_s"] if "collective_floor" in m else None
     ops, region_ops, calls = issued(program_run(cfg, p, "sim"))
     program = {**m["program"], "ops": ops, "region_ops": region_ops, "calls": calls}
@@ -536,7 +607,7 @@ def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     hw = dataclasses.replace(
         base, name=name, matmul_fraction=matmul_fraction, fp32_flops=fp32, attention_fraction=attention_fraction,
-        hbm_fraction=hbm_fraction, kernel_floor=floor, selective_floor=m["selective_floor"],
+        attention_table=attention_table, hbm_fraction=hbm_fraction, optimizer_hbm_fraction=optimizer_hbm_fraction, kernel_floor=floor, selective_floor=m["selective_floor"],
         region_op_floor=region_op_floor,
         hbm_capacity=float(m["capacity"] or base.hbm_capacity),
         collective_floor=collective_floor,
@@ -546,7 +617,8 @@ def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch:
     model = ComputeModel(hw, RankClock())
     record = {"base": base.name, "ranks": p, "device": m["device"], "model": cfg.to_dict(), "micro_batch": micro_batch, "chain_floor_s": m["floor"],
               "tiny_block_floor_s": one["tiny_wall_s"] / one["tiny_kernels"], "program": program,
-              "collective_floor": m.get("collective_floor"), "matmuls": [], "attention": {}, "elementwise": [],
+              "collective_floor": m.get("collective_floor"), "matmuls": [], "attention": [], "elementwise": [],
+              "optimizer": m["optimizer"],
               "collectives": []}
     by_class, total = predicted_by_class(cfg, micro_batch, hw)
     record["one_layer"] = {**one, "predicted_s": total,
@@ -557,8 +629,7 @@ def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch:
             rate_ = model.flop_rate if key == "matmul_bf16" else model.fp32_rate
             predicted = max(hw.kernel_floor, r["flops"] / rate_)
             record["matmuls"].append({**r, "predicted": predicted, "error": predicted / r["seconds"] - 1})
-    a = m["attention"]
-    record["attention"] = {**a, "predicted": a["flops"] / model.attention_rate}
+    record["attention"] = [{**r, "fraction": r["flops"] / r["seconds"] / hw.peak_bf16_flops} for r in m["attention"]]
     for r in m["elementwise"]:
         predicted = max(hw.kernel_floor, r["bytes"] / model.byte_rate)
         record["elementwise"].append({**r, "predicted": predicted, "error": predicted / r["seconds"] - 1})
@@ -618,6 +689,13 @@ def _program_lines(hw: Hardware, record: dict) -> list:
         "(the regions run op by op on this device: one kernel_floor)")]
 
 
+def _attention_table_lines(hw: Hardware) -> list:
+    if not hw.attention_table:
+        return []
+    return [f"    head dimension {d:<4}" + "  ".join(f"{s}: {f:.3f}" for s, f in points)
+            for d, points in sorted(hw.attention_table.items())]
+
+
 def summary(hw: Hardware, record: dict) -> str:
     """The fitted constants and the error of the fit per kind of measurement."""
     def spread(rows):
@@ -630,9 +708,14 @@ def summary(hw: Hardware, record: dict) -> str:
              f"({hw.fp32_flops * hw.matmul_fraction / 1e12:.1f} achieved; per GEMM "
              f"{spread([r for r in record['matmuls'] if r['dtype'] == 'float32'])})",
              f"  attention_fraction {hw.attention_fraction:.3f}  "
-             f"({hw.attention_fraction * hw.peak_bf16_flops / 1e12:.0f} TFLOP/s, causal fwd+bwd)",
+             f"({hw.attention_fraction * hw.peak_bf16_flops / 1e12:.0f} TFLOP/s, causal fwd+bwd, at the model's head "
+             f"dimension and sequence)",
+             *_attention_table_lines(hw),
              f"  hbm_fraction       {hw.hbm_fraction:.3f}  ({hw.hbm_fraction * hw.hbm_bandwidth / 1e12:.2f} TB/s; "
              f"per kernel {spread(record['elementwise'])})",
+             f"  optimizer_hbm_fraction {hw.optimizer_hbm_fraction:.3f}  "
+             f"({hw.optimizer_hbm_fraction * hw.hbm_bandwidth / 1e12:.2f} TB/s: one master_adamw pass over "
+             f"{record['optimizer']['elements'] / 2**20:.0f} Mi parameters, {record['optimizer']['seconds'] * 1e3:.2f} ms)",
              *_program_lines(hw, record),
              f"  selective_floor    {hw.selective_floor * 1e6:.1f} µs  (host per op a selective checkpoint's "
              f"dispatch mode adds, in the forward and the recomputation: that tiny block, selective less full)",

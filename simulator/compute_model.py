@@ -196,6 +196,8 @@ class ComputeModel(TorchDispatchMode):
         self.fp32_rate = hw.fp32_flops * hw.matmul_fraction
         self.attention_rate = hw.peak_bf16_flops * hw.attention_fraction
         self.byte_rate = hw.hbm_bandwidth * hw.hbm_fraction
+        # (the optimizer's one-kernel passes: Hardware.optimizer_hbm_fraction)
+        self.optimizer_byte_rate = hw.hbm_bandwidth * (hw.optimizer_hbm_fraction or hw.hbm_fraction)
         self.floor = hw.kernel_floor
         self.kernels = 0
         self.by_op = None  # {op name: [kernels, seconds, bytes]} when set to a dict (calibration)
@@ -277,11 +279,12 @@ class ComputeModel(TorchDispatchMode):
         if self.extra_floor and self._fused is None:
             self.clock.launch(self.extra_floor * self.slowdown, 0.0, None)
 
-    def _kernel(self, name: str, seconds: float, nbytes: int, host: float | None = None) -> None:
-        """One kernel of max(its FLOP time, its bytes' time), issued by the host one floor
-        (or `host` seconds) after the previous (the clock's two queues); counted, and kept by
-        name in `by_op`."""
-        cost = max(seconds, nbytes / self.byte_rate) * self.slowdown
+    def _kernel(self, name: str, seconds: float, nbytes: int, host: float | None = None,
+                byte_rate: float | None = None) -> None:
+        """One kernel of max(its FLOP time, its bytes' time at `byte_rate`, else the model's),
+        issued by the host one floor (or `host` seconds) after the previous (the clock's two
+        queues); counted, and kept by name in `by_op`."""
+        cost = max(seconds, nbytes / (byte_rate or self.byte_rate)) * self.slowdown
         self.bytes += nbytes
         self.kernels += 1
         self.clock.launch(((self.floor if host is None else host) + self.extra_floor) * self.slowdown, cost, name)
@@ -311,7 +314,8 @@ class ComputeModel(TorchDispatchMode):
         return flops / self.flop_rate
 
     @contextlib.contextmanager
-    def fused(self, io_bytes: int, name: str = "fused", attention: bool = False, graph: bool = False):
+    def fused(self, io_bytes: int, name: str = "fused", attention: bool = False, graph: bool = False,
+              optimizer: bool = False):
         """The ops inside run as one fused kernel (FlashAttention's tiles stay on chip): their
         FLOPs are counted as usual, their intermediate tensors move no HBM bytes; the
         region is one kernel of max(Σ FLOPs / rate, io_bytes / bandwidth), io_bytes being what
@@ -320,12 +324,13 @@ class ComputeModel(TorchDispatchMode):
         attention rate whatever dtype the matmuls written out inside it use (float32 here).
         `graph`: the region is a compiled graph's forward (model/compiled.py, `region`), whose
         call costs the host the profile's `region_op_floor` per op it launches where the
-        profile has one."""
-        with self._one_launch(name, attention, io_bytes, graph):
+        profile has one. `optimizer`: the region is an optimizer's pass over a flat unit, whose
+        bytes move at the profile's `optimizer_hbm_fraction` of the bandwidth."""
+        with self._one_launch(name, attention, io_bytes, graph, optimizer):
             yield self
 
     @contextlib.contextmanager
-    def _one_launch(self, name: str, kind, io_bytes: int, graph: bool = False):
+    def _one_launch(self, name: str, kind, io_bytes: int, graph: bool = False, optimizer: bool = False):
         """The ops inside charged as one launch of `name` when the region ends (`_fused` holds
         the seconds so far, `kind`: a fused kernel's attention flag, or `_BACK_TO_BACK`, and
         the ops that launch); the host's cost one kernel floor, or for a compiled graph's call
@@ -340,7 +345,8 @@ class ComputeModel(TorchDispatchMode):
         finally:
             (seconds, _, ops), self._fused = self._fused, None
             per_op = self.hw.region_op_floor if graph else None
-            self._kernel(name, seconds, io_bytes, None if per_op is None else per_op * ops)
+            self._kernel(name, seconds, io_bytes, None if per_op is None else per_op * ops,
+                         self.optimizer_byte_rate if optimizer else None)
 
     @contextlib.contextmanager
     def inlined(self):
@@ -389,7 +395,7 @@ class ComputeModel(TorchDispatchMode):
         kernel reading parameter, gradient and both moments and writing parameter and
         moments (7 tensors' bytes), instead of the ops of the implementation that runs here."""
         n = sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
-        return self.fused(7 * n, "_fused_adamw")
+        return self.fused(7 * n, "_fused_adamw", optimizer=True)
 
     @contextlib.contextmanager
     def step(self, mode=None):

@@ -48,6 +48,8 @@ above with these; override them with a profile file):
 - no `region_op_floor`: a compiled region's call (its forward, its backward) costs the host
   one kernel floor, however many kernels its graph launches (calibrate measures the cost per
   op inside the model's step);
+- no `optimizer_hbm_fraction`: the optimizer's passes stream at `hbm_fraction` (calibrate
+  times one pass over a large unit);
 - latencies α: 2 µs per NVLink step and 5 µs per network step, of the order of NCCL's
   own tuning model for its Simple protocol.
 The `h200` profile is not the datasheet's: `playground calibrate` fitted it on 2× H200
@@ -55,7 +57,8 @@ The `h200` profile is not the datasheet's: `playground calibrate` fitted it on 2
 tiles and the attention table by shape that benchmarks/shapes_gpu.py measured on an H200
 (its `sources`).
 A profile file (TOML or JSON) holds the same keys (`source` optional; `collective_floor`,
-`sm_count`, `matmul_tiles`, `attention_table`, `overlap_slowdown`, `selective_floor` and `region_op_floor` optional; a `calibration` table, as
+`sm_count`, `matmul_tiles`, `attention_table`, `overlap_slowdown`, `selective_floor`, `region_op_floor` and
+`optimizer_hbm_fraction` optional; a `calibration` table, as
 calibrate writes, and a `sources` table citing each number are kept for the record and not
 read); missing keys are an error.
 """
@@ -114,6 +117,11 @@ class Hardware:
     # (`playground calibrate` times the calls inside the model's step). None: not measured, a
     # call costs one kernel_floor
     region_op_floor: float | None = None
+    # achieved fraction of HBM bandwidth in the optimizer's passes (zero/master_adamw.py's one
+    # kernel a flat unit, torch's fused AdamW): each streams hundreds of MB in one kernel and
+    # reaches more of the bandwidth than the model's elementwise kernels (on one H100, 0.78
+    # against 0.65: benchmarks/results/gpu/run71 and run78). None: `hbm_fraction`
+    optimizer_hbm_fraction: float | None = None
 
     @property
     def call_floor(self) -> float:
@@ -201,7 +209,7 @@ def profile_names() -> list:
 
 
 _OPTIONAL = ("collective_floor", "sm_count", "matmul_tiles", "attention_table", "overlap_slowdown", "selective_floor",
-             "region_op_floor")
+             "region_op_floor", "optimizer_hbm_fraction")
 
 
 def hardware_from_dict(data: dict, where: str = "profile") -> Hardware:
@@ -236,7 +244,7 @@ def hardware_from_dict(data: dict, where: str = "profile") -> Hardware:
     return Hardware(**values)
 
 
-_FRACTIONS = ("matmul_fraction", "hbm_fraction", "attention_fraction")  # of a peak: in (0, 1]
+_FRACTIONS = ("matmul_fraction", "hbm_fraction", "attention_fraction", "optimizer_hbm_fraction")  # of a peak: in (0, 1]
 _AT_LEAST_ZERO = ("nvlink_latency", "network_latency", "kernel_floor", "collective_floor", "overlap_slowdown",
                   "selective_floor", "region_op_floor")
 

@@ -9,12 +9,12 @@ import pytest
 
 from model import preset
 from playground import Layout, RunConfig
-from playground.calibrate import (coefficients, cost_op, fit_alpha_beta, gemm_shapes, issued, narrow, op_class,
-                                  program_floor, program_floors, program_run, region_calls)
+from playground.calibrate import (attention_shapes, coefficients, cost_op, fit_alpha_beta, fit_attention, gemm_shapes,
+                                  issued, narrow, op_class, program_floor, program_floors, program_run, region_calls)
 from playground.cli import main
 from playground.planning import plan
 from simulator.cost_model import collective_cost
-from simulator.hardware import PROFILES, load_hardware
+from simulator.hardware import PROFILES, hardware_from_dict, load_hardware
 
 
 def test_alpha_beta_fit_recovers_the_link_it_was_made_from():
@@ -42,6 +42,29 @@ def test_the_measured_shapes_and_classes():
         ["matmul", "matmul", "copy", "copy", "attention", "elementwise"]
 
 
+def test_attention_is_fitted_by_head_dimension_and_sequence():
+    """The table recovers each measured shape's rate, which a plan then reads at another
+    model's shape; a single point (CPUs) gives the fraction and no table."""
+    cfg = preset("1b")  # head dimension 64, 2048 tokens, width 2048
+    shapes = attention_shapes(cfg, 4, cuda=True)
+    assert (4, 32, 2048, 64) in shapes and {s[3] for s in shapes} == {64, 128} and len(shapes) == 12
+    assert all(b * s >= 4 * 2048 and h * d == 2048 for b, h, s, d in shapes)
+    assert attention_shapes(cfg, 4, cuda=False) == [(4, 32, 2048, 64)]
+    hw = PROFILES["h100-datasheet"]
+
+    def rate(d, s):  # a kernel that gains with the sequence and the head dimension
+        return 0.1 * (s / 512) ** 0.3 * (d / 64) ** 0.5
+    rows = [{"batch": b, "heads": h, "seq": s, "head_dim": d, "flops": 1e12,
+             "seconds": 1e12 / (hw.peak_bf16_flops * rate(d, s))} for b, h, s, d in shapes]
+    fraction, table = fit_attention(rows, cfg, hw.peak_bf16_flops)
+    assert fraction == pytest.approx(rate(64, 2048))
+    fitted = hardware_from_dict(dataclasses.replace(hw, attention_fraction=fraction, attention_table=table).to_dict())
+    for b, h, s, d in shapes:
+        assert fitted.attention_fraction_at(d, s) == pytest.approx(rate(d, s))
+    assert fitted.attention_fraction_at(64, 1024) < 0.85 * fraction  # 350m's shape, not 1b's
+    assert fit_attention(rows[2:3], cfg, hw.peak_bf16_flops) == (pytest.approx(rate(64, 2048)), None)
+
+
 @pytest.mark.slow
 def test_calibrate_writes_a_profile_that_plan_takes(tmp_path):
     out = tmp_path / "cpu.json"
@@ -57,6 +80,8 @@ def test_calibrate_writes_a_profile_that_plan_takes(tmp_path):
     record = json.loads(out.read_text())["calibration"]
     assert {c["op"] for c in record["collectives"]} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
                                                         "send_recv"}
+    # (on a CPU attention is timed at the model's shape alone: a fraction, no table)
+    assert [(a["head_dim"], a["seq"]) for a in record["attention"]] == [(8, 32)] and hw.attention_table is None
     p = plan(RunConfig(model=preset("tiny"), layout=Layout(dp=2), hardware=str(out), progress=False))
     assert p.step_s > 0 and p.values[0]["step"]["compute"] > 0
     # the kernel floor makes a plan of the timed program issue its step in the host's time

@@ -193,3 +193,37 @@ def test_on_a_gpu_a_step_found_non_finite_is_skipped_without_the_host_reading_it
         p.grad = g.float().cuda()
         assert step_unless(opt, torch.tensor(found, device="cuda"))
         assert torch.equal(p.detach(), before) is not moves and float(opt.state[p]["step"]) == 1 + 2 * moves
+
+
+@pytest.mark.parametrize("fraction", [None, 0.8])
+def test_a_plan_streams_the_optimizers_passes_at_the_profiles_optimizer_rate(fraction):
+    """On the meta device a pass over a unit is one kernel of its bytes (28 a parameter for
+    master_adamw, 7 tensors' for torch's fused AdamW) at `optimizer_hbm_fraction` of the
+    bandwidth, at `hbm_fraction` where the profile has none."""
+    import dataclasses
+    from model.regions import optimizer_kernel
+    from simulator.clock import RankClock
+    from simulator.compute_model import ComputeModel
+    from simulator.hardware import load_hardware
+    hw = dataclasses.replace(load_hardware("h100-sxm"), optimizer_hbm_fraction=fraction)
+    rate = hw.hbm_bandwidth * (fraction or hw.hbm_fraction)
+    n = 1 << 24
+    master = torch.zeros(n, device="meta", requires_grad=True)
+    opt = torch.optim.AdamW([master], lr=LR)
+    grad, copy = (torch.empty(n, device="meta", dtype=torch.bfloat16) for _ in range(2))
+    for step, nbytes in ((lambda: master_adamw(opt, [grad], [copy]), 28 * n),
+                         (lambda: torch._fused_adamw_([master], [grad.float()], [grad.float()], [grad.float()], [],
+                                                      [torch.zeros(())], lr=LR, beta1=B1, beta2=B2, weight_decay=WD,
+                                                      eps=EPS, amsgrad=False, maximize=False), None)):
+        model = ComputeModel(hw, RankClock())
+        model.by_op = {}
+        with model:
+            if nbytes is None:  # (torch's fused AdamW, inside the region a step runs it in)
+                master.grad = grad.float()
+                with optimizer_kernel(opt):
+                    step()
+                nbytes = 7 * 4 * n
+            else:
+                step()
+        name = "master_adamw" if "master_adamw" in model.by_op else "_fused_adamw"
+        assert model.by_op[name][1] == pytest.approx(nbytes / rate, rel=1e-9)

@@ -115,7 +115,7 @@ def master_adamw(optimizer: torch.optim.AdamW, grads: list, copies: list, found_
         io = 6 * p.nbytes + g.nbytes + copy.nbytes
         if found_inf is None:
             region("master_adamw", io, _update, p, g, s["exp_avg"], s["exp_avg_sq"], copy, step_size, root, lr, beta1,
-                   beta2, weight_decay, eps)
+                   beta2, weight_decay, eps, optimizer=True)
         else:
             region("master_adamw", io, _update_unless, p, g, s["exp_avg"], s["exp_avg_sq"], copy, step_size, root,
-                   found_inf, lr, beta1, beta2, weight_decay, eps)
+                   found_inf, lr, beta1, beta2, weight_decay, eps, optimizer=True)
