@@ -703,10 +703,12 @@ class MoE(nn.Module):
     def _experts_io(self, T: int, rows: int) -> int:
         """What the local experts' region reads and writes in HBM for T tokens routed to `rows`
         rows: the tokens and the output; the gathered rows, the three GEMMs' outputs and the
-        gated product, each written and read; fp32 weights read, their bf16 copies written and
-        read."""
+        gated product, each written and read (bf16); the weights read once where they are in
+        16 bits (compute copies: `--bf16-copies`), else read in their dtype with their bf16
+        casts written and read (autocast's fp32 weights)."""
         d, f, n = self.config.d_model, self.experts.w_gate.shape[1], self.experts.w_gate.numel()
-        return 2 * (T * d + 2 * rows * d + 2 * 3 * rows * f + 2 * rows * d) + 8 * 3 * n
+        w = self.experts.w_gate.element_size()
+        return 2 * (T * d + 2 * rows * d + 2 * 3 * rows * f + 2 * rows * d) + 3 * n * (w if w == 2 else w + 4)
 
     def _whole_on_gpu(self, flat) -> bool:
         """Whether the layer runs as one compiled region (`whole_layer`): on a GPU where the

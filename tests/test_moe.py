@@ -654,6 +654,26 @@ def test_a_plan_routes_with_the_ops_a_gpu_runs():
     assert counted["cpu"] - counted["meta"] <= collections.Counter({"index": 1})
 
 
+def test_a_plan_reads_compute_copies_of_the_experts_once_and_casts_fp32_ones():
+    """The compiled layer's bytes in a plan: bf16 expert weights (compute copies) read once,
+    2 bytes an element; fp32 ones under autocast read (4) and their bf16 casts written and read
+    (2 + 2): 18 bytes an element of the three weights more."""
+    from simulator.clock import RankClock
+    from simulator.compute_model import ComputeModel
+    from simulator.hardware import load_hardware
+    cfg = preset("tiny-moe").with_(seq_len=64)
+    moved = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        layer = MoE(cfg).to(device="meta", dtype=dtype)
+        x = torch.empty(2, 64, cfg.d_model, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        model = ComputeModel(load_hardware("h100-sxm"), RankClock())
+        model.by_op = {}
+        with model, torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.float32):
+            layer(x)
+        moved[dtype] = model.by_op["moe_layer"][2]
+    assert moved[torch.float32] - moved[torch.bfloat16] == 18 * layer.experts.w_gate.numel()
+
+
 def test_a_plan_of_a_checkpointed_moe_block_recomputes_its_forward_once():
     """A plan prices the MoE layer's compiled regions' backward through an autograd graph of
     their own (model/compiled.py), which torch.utils.checkpoint would recompute apart from
