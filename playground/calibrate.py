@@ -18,8 +18,8 @@ from the `--base` profile (datasheet numbers); what is fitted:
   model's shape (the fraction) and, on CUDA, at head dimensions 64, 128 and the model's
   over sequences of 512-16384 tokens at the model's tokens and width (the table a plan
   reads by head dimension and sequence, `attention_shapes`): a kernel's efficiency moves
-  with the sequence (`attention_shapes`), and a profile fitted at one shape alone planned
-  every model's attention at that shape's rate.
+  with the sequence, and a profile fitted at one shape alone planned every model's
+  attention at that shape's rate.
 - `hbm_fraction`: one block and the head of the model, forward and backward, under
   torch's profiler: the bytes its copies and elementwise ops (normalisation, RoPE,
   SwiGLU, the loss) move, as the compute model counts them on meta tensors, over their
@@ -180,8 +180,9 @@ def attention_shapes(cfg, batch: int, cuda: bool) -> list:
     CUDA, head dimensions 64, 128 and the model's at sequences 512-16384 and the model's,
     each at the model's tokens (micro-batch × sequence) and width (heads × head dimension),
     as a training step at that sequence would hold them. (An attention kernel's efficiency
-    moves with both: on one H100, 0.12 of the peak at head dimension 64 and 1,024 tokens,
-    0.25 at 2,048, benchmarks/results/gpu/run78_region_floor_h100.) On CPUs the model's alone."""
+    moves with both: on one H100 at head dimension 64, 0.11 of the peak at 512 tokens, 0.25 at
+    2,048, 0.44 at 16,384: benchmarks/results/gpu/run79_device_fit_h100.) On CPUs the model's
+    alone."""
     own = (batch, cfg.n_heads, cfg.seq_len, cfg.head_dim)
     if not cuda:
         return [own]
@@ -607,8 +608,8 @@ def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     hw = dataclasses.replace(
         base, name=name, matmul_fraction=matmul_fraction, fp32_flops=fp32, attention_fraction=attention_fraction,
-        attention_table=attention_table, hbm_fraction=hbm_fraction, optimizer_hbm_fraction=optimizer_hbm_fraction, kernel_floor=floor, selective_floor=m["selective_floor"],
-        region_op_floor=region_op_floor,
+        attention_table=attention_table, hbm_fraction=hbm_fraction, optimizer_hbm_fraction=optimizer_hbm_fraction,
+        kernel_floor=floor, selective_floor=m["selective_floor"], region_op_floor=region_op_floor,
         hbm_capacity=float(m["capacity"] or base.hbm_capacity),
         collective_floor=collective_floor,
         nvlink_latency=alpha, nvlink_bandwidth=bandwidth,

@@ -211,19 +211,18 @@ def test_a_plan_streams_the_optimizers_passes_at_the_profiles_optimizer_rate(fra
     master = torch.zeros(n, device="meta", requires_grad=True)
     opt = torch.optim.AdamW([master], lr=LR)
     grad, copy = (torch.empty(n, device="meta", dtype=torch.bfloat16) for _ in range(2))
-    for step, nbytes in ((lambda: master_adamw(opt, [grad], [copy]), 28 * n),
-                         (lambda: torch._fused_adamw_([master], [grad.float()], [grad.float()], [grad.float()], [],
-                                                      [torch.zeros(())], lr=LR, beta1=B1, beta2=B2, weight_decay=WD,
-                                                      eps=EPS, amsgrad=False, maximize=False), None)):
+
+    def priced(step) -> dict:
         model = ComputeModel(hw, RankClock())
         model.by_op = {}
         with model:
-            if nbytes is None:  # (torch's fused AdamW, inside the region a step runs it in)
-                master.grad = grad.float()
-                with optimizer_kernel(opt):
-                    step()
-                nbytes = 7 * 4 * n
-            else:
-                step()
-        name = "master_adamw" if "master_adamw" in model.by_op else "_fused_adamw"
-        assert model.by_op[name][1] == pytest.approx(nbytes / rate, rel=1e-9)
+            step()
+        return model.by_op
+    assert priced(lambda: master_adamw(opt, [grad], [copy]))["master_adamw"][1] == pytest.approx(28 * n / rate, rel=1e-9)
+    master.grad = grad.float()
+
+    def torch_step():  # (inside the region a step runs torch's fused AdamW in)
+        with optimizer_kernel(opt):
+            torch._fused_adamw_([master], [master.grad], [grad.float()], [grad.float()], [], [torch.zeros(())],
+                                lr=LR, beta1=B1, beta2=B2, weight_decay=WD, eps=EPS, amsgrad=False, maximize=False)
+    assert priced(torch_step)["_fused_adamw"][1] == pytest.approx(7 * 4 * n / rate, rel=1e-9)
