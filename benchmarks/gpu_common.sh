@@ -28,7 +28,7 @@ device_profile() {  # name, playground train args...: one GPU, bf16, micro-batch
   tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .
 }
 calibrate() {  # gpu, model, micro-batch
-  timeout 150 torchrun --nproc_per_node 1 -m playground calibrate --backend torch --model "$2" --micro-batch-size "$3" \
+  timeout 240 torchrun --nproc_per_node 1 -m playground calibrate --backend torch --model "$2" --micro-batch-size "$3" \
     --base "$1-datasheet" --name "$1-$2" --out "$LOGS/$1-$2.json" 2>&1 | grep -v "^W1" > "$LOGS/calibrate-$2.log"
   echo "== calibrate $2 (exit ${PIPESTATUS[0]}): $(grep -E '_floor|fraction' "$LOGS/calibrate-$2.log" | cut -c1-200 | tr '\n' ' ')"
   tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .

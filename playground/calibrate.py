@@ -36,7 +36,8 @@ from the `--base` profile (datasheet numbers); what is fitted:
   whole step (all its blocks, the optimizer, the NaN check, compiled regions) trained at
   head dimension 8, a 512-token vocabulary and 16-token sequences (`narrow`: the same ops
   in the same order, each kernel a few µs, so the host's issuing is the step), its host
-  time per step (the wall time less the waits for the device) less its collective calls
+  time per step (the wall time less the waits for the device; the median over the steps of
+  three fresh runs, as a host's speed moves between runs) less its collective calls
   at `collective_floor` and, on CUDA, less the host's time inside its compiled regions'
   calls, over the other ops a plan of the same program charges; at least the time per op
   of a bare chain of tiny adds. (A tiny forward and backward of one block,
@@ -347,6 +348,12 @@ def measure_selective_floor(cfg: GPTConfig, device: str, rounds: int = 5) -> flo
 # -- the host's cost per op in the model's own training step ---------------------------------------
 PROGRAM_STEPS = 10  # steps of the narrow program; the first PROGRAM_WARMUP are not timed
 PROGRAM_WARMUP = 4  # (compiled regions compile, AdamW makes its moments, the allocator fills its cache)
+# Rounds of the narrow program, each a fresh run: on one H100 host the narrow step's eager
+# floor read 30.6-48.9 µs an op over three rounds of each of three models, its steps steady
+# within a round and jumping between rounds (and once within one), with no order by model
+# (benchmarks/results/gpu/run80_narrow_floor_h100); one run, as before, fitted whichever
+# moment it met.
+PROGRAM_ROUNDS = 3
 
 
 def narrow(cfg: GPTConfig) -> GPTConfig:
@@ -367,25 +374,30 @@ def program_run(cfg: GPTConfig, ranks: int, backend: str) -> RunConfig:
                      dtype="bfloat16", backend=backend, progress=False)
 
 
-def measure_program(world, cfg: GPTConfig, backend: str, device: str = "cpu") -> dict:
+def measure_program(world, cfg: GPTConfig, backend: str, device: str = "cpu", rounds: int = PROGRAM_ROUNDS) -> dict:
     """The host's own time per step of the model's training program (`program_run`: the whole
-    step, the optimizer, the NaN check and compiled regions included): each step's wall time
-    less the time the host waited for the device (`host_blocked`, as benchmarks/fidelity.py
-    measures a run's), the median over the steps after the warm-up. On CUDA the host's time
-    inside the compiled regions' calls too, forward and backward (model/region_timer.py), the
-    median of each step's (`region_host_s`), and of each step's time outside them
-    (`eager_host_s`)."""
+    step, the optimizer, the NaN check and compiled regions included), trained `rounds` times:
+    each step's wall time less the time the host waited for the device (`host_blocked`, as
+    benchmarks/fidelity.py measures a run's), the median over every round's steps after its
+    warm-up. On CUDA the host's time inside the compiled regions' calls too, forward and
+    backward (model/region_timer.py), the median of each step's (`region_host_s`), and of each
+    step's time outside them (`eager_host_s`)."""
     from .training import train_rank
     timer = RegionTimer() if device.startswith("cuda") else None
+    own, regions = [], []
     with timing_regions(timer):
-        out = train_rank(world, program_run(cfg, world.size, backend))
-    own = [t - b for t, b in zip(out["step_times"], out["host_blocked"])][PROGRAM_WARMUP:]
-    got = {"host_s": statistics.median(own), "steps_s": own}
+        for _ in range(rounds):
+            out = train_rank(world, program_run(cfg, world.size, backend))
+            own += [t - b for t, b in zip(out["step_times"], out["host_blocked"])][PROGRAM_WARMUP:]
+            if timer is not None:
+                regions += out["region_host"][PROGRAM_WARMUP:]
+    timed = PROGRAM_STEPS - PROGRAM_WARMUP
+    got = {"host_s": statistics.median(own), "steps_s": own, "rounds": rounds,
+           "round_host_s": [statistics.median(own[k * timed:(k + 1) * timed]) for k in range(rounds)]}
     if timer is not None:
-        regions = out["region_host"][PROGRAM_WARMUP:]
         got.update(region_host_s=statistics.median(regions), region_steps_s=regions,
                    eager_host_s=statistics.median(o - r for o, r in zip(own, regions)),
-                   regions=region_calls(timer, PROGRAM_STEPS))
+                   regions=region_calls(timer, rounds * PROGRAM_STEPS))
     return got
 
 
@@ -673,6 +685,12 @@ def _calls(program: dict) -> str:
     return f" and {program['calls']:.0f} collective calls" if program["calls"] else ""
 
 
+def _rounds(program: dict) -> str:
+    """The whole step's host time in each run of the narrow program, where there were several."""
+    times = program.get("round_host_s") or []
+    return f"; the step's host by run {', '.join(f'{t * 1e3:.1f}' for t in times)} ms" if len(times) > 1 else ""
+
+
 def _program_lines(hw: Hardware, record: dict) -> list:
     """kernel_floor's and region_op_floor's lines: what of the narrow step each is fitted on."""
     program, us = record["program"], 1e6
@@ -680,7 +698,7 @@ def _program_lines(hw: Hardware, record: dict) -> list:
     host, ops = eager_part(program)
     lines = [f"  kernel_floor       {hw.kernel_floor * us:.1f} µs  (host per op of the model's training step at head "
              f"dimension 8: {host * 1e3:.2f} ms a step{' outside its compiled regions' if timed else ''} over {ops:.0f} "
-             f"ops{_calls(program)}; a tiny forward and backward of one block: "
+             f"ops{_calls(program)}{_rounds(program)}; a tiny forward and backward of one block: "
              f"{record['tiny_block_floor_s'] * us:.1f} µs, a chain of adds: {record['chain_floor_s'] * us:.1f} µs)"]
     if hw.region_op_floor is None:
         return lines + ["  region_op_floor    none  (the step has no compiled region: a call costs one kernel_floor)"]

@@ -2,15 +2,19 @@
 profile that plan accepts (gloo on this machine's CPU)."""
 import dataclasses
 import json
+import statistics
 import subprocess
+import types
 import sys
 
 import pytest
 
 from model import preset
 from playground import Layout, RunConfig
-from playground.calibrate import (attention_shapes, coefficients, cost_op, fit_alpha_beta, fit_attention, gemm_shapes,
-                                  issued, narrow, op_class, program_floor, program_floors, program_run, region_calls)
+from playground import training
+from playground.calibrate import (PROGRAM_ROUNDS, PROGRAM_STEPS, PROGRAM_WARMUP, attention_shapes, coefficients, cost_op,
+                                  fit_alpha_beta, fit_attention, gemm_shapes, issued, measure_program, narrow, op_class,
+                                  program_floor, program_floors, program_run, region_calls)
 from playground.cli import main
 from playground.planning import plan
 from simulator.cost_model import collective_cost
@@ -90,6 +94,10 @@ def test_calibrate_writes_a_profile_that_plan_takes(tmp_path):
     # (on a CPU the compiled regions run op by op, at the floor of the rest: nothing timed apart)
     assert "region_op_floor" in r.stdout and program["region_ops"] > 0 and hw.region_op_floor == hw.kernel_floor
     assert "region_host_s" not in program
+    # (three runs of the narrow program, their timed steps pooled)
+    assert program["rounds"] == 3 and len(program["round_host_s"]) == 3 and "the step's host by run" in r.stdout
+    assert len(program["steps_s"]) == 3 * (PROGRAM_STEPS - PROGRAM_WARMUP)
+    assert program["host_s"] == statistics.median(program["steps_s"])
     if hw.kernel_floor > record["chain_floor_s"]:
         planned = (program["ops"] + program["region_ops"]) * hw.kernel_floor + program["calls"] * hw.collective_floor
         assert planned == pytest.approx(program["host_s"], rel=1e-9)
@@ -131,6 +139,20 @@ def test_the_narrow_program_issues_the_ops_of_the_model_at_its_width(name):
     assert narrow(cfg).d_model == 8 * cfg.n_heads and narrow(cfg).n_layers == cfg.n_layers
     ops, region_ops, calls = narrow_ops
     assert narrow_ops == issued(wide) and ops > 100 and region_ops > 0 and calls > 0
+
+
+def test_the_program_is_timed_over_fresh_runs_and_their_steps_pooled(monkeypatch):
+    # a host at three speeds in three runs: the floor's time is the middle one, each run's kept
+    speeds = iter([0.030, 0.050, 0.040])
+
+    def train_rank(world, run):
+        t = next(speeds)
+        return {"step_times": [9.0] * PROGRAM_WARMUP + [t + 0.001] * (run.steps - PROGRAM_WARMUP),
+                "host_blocked": [0.0] * PROGRAM_WARMUP + [0.001] * (run.steps - PROGRAM_WARMUP)}
+    monkeypatch.setattr(training, "train_rank", train_rank)
+    got = measure_program(types.SimpleNamespace(size=1), preset("tiny"), "sim")
+    assert got["host_s"] == pytest.approx(0.040) and got["round_host_s"] == pytest.approx([0.030, 0.050, 0.040])
+    assert got["rounds"] == PROGRAM_ROUNDS == 3 and len(got["steps_s"]) == 3 * (PROGRAM_STEPS - PROGRAM_WARMUP)
 
 
 def test_the_program_floor_puts_the_host_time_on_the_ops_after_the_calls():
