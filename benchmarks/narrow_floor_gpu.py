@@ -79,8 +79,8 @@ def main():
     for m in args.models:
         ops, region_ops, calls = cal.issued(cal.program_run(preset(m), 1, "sim"))
         got[m].update(ops=ops, region_ops=region_ops, calls=calls)
-        eager = [p["host_s"] - p.get("region_host_s", 0.0) for p in got[m]["rounds"]]
-        got[m]["eager_floor_us"] = [e / ops * 1e6 for e in eager]
+        counts = {"ops": ops, "region_ops": region_ops, "calls": calls}
+        got[m]["eager_floor_us"] = [cal.program_floors({**p, **counts}, None)[0] * 1e6 for p in got[m]["rounds"]]
         prof = got[m]["profile"]
         print(f"{m}: ops {ops:.0f} + region ops {region_ops:.0f}; eager floor by round "
               f"{', '.join(f'{x:.1f}' for x in got[m]['eager_floor_us'])} µs; under the profiler host "

@@ -384,16 +384,16 @@ def measure_program(world, cfg: GPTConfig, backend: str, device: str = "cpu", ro
     step's time outside them (`eager_host_s`)."""
     from .training import train_rank
     timer = RegionTimer() if device.startswith("cuda") else None
-    own, regions = [], []
+    own, regions, by_round = [], [], []
     with timing_regions(timer):
         for _ in range(rounds):
             out = train_rank(world, program_run(cfg, world.size, backend))
-            own += [t - b for t, b in zip(out["step_times"], out["host_blocked"])][PROGRAM_WARMUP:]
+            steps = [t - b for t, b in zip(out["step_times"], out["host_blocked"])][PROGRAM_WARMUP:]
+            own += steps
+            by_round.append(statistics.median(steps))
             if timer is not None:
                 regions += out["region_host"][PROGRAM_WARMUP:]
-    timed = PROGRAM_STEPS - PROGRAM_WARMUP
-    got = {"host_s": statistics.median(own), "steps_s": own, "rounds": rounds,
-           "round_host_s": [statistics.median(own[k * timed:(k + 1) * timed]) for k in range(rounds)]}
+    got = {"host_s": statistics.median(own), "steps_s": own, "rounds": rounds, "round_host_s": by_round}
     if timer is not None:
         got.update(region_host_s=statistics.median(regions), region_steps_s=regions,
                    eager_host_s=statistics.median(o - r for o, r in zip(own, regions)),

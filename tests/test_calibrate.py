@@ -4,8 +4,8 @@ import dataclasses
 import json
 import statistics
 import subprocess
-import types
 import sys
+import types
 
 import pytest
 
