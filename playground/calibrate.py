@@ -283,7 +283,7 @@ def op_class(name: str) -> str:
     name = name.removeprefix("aten::")
     if "attention" in name:
         return "attention"
-    if name in ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm"):
+    if name in ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm"):
         return "matmul"
     if name in ("copy_", "_to_copy", "clone", "to", "contiguous"):
         return "copy"
@@ -314,15 +314,38 @@ def one_layer_step(cfg: GPTConfig, micro_batch: int, device: str, layers: int = 
     return step
 
 
-def predicted_by_class(cfg, micro_batch, hw: Hardware) -> tuple:
-    """({class: [kernels, seconds, bytes]}, total seconds) the compute model gives one
-    forward and backward of `one_layer_step` on `hw` (run on meta tensors)."""
+def predicted_by_op(cfg, micro_batch, hw: Hardware) -> tuple:
+    """({op or compiled region's name: [kernels, seconds, bytes]}, total seconds) the compute
+    model gives one forward and backward of `one_layer_step` on `hw` (run on meta tensors)."""
     model = counted(one_layer_step(cfg, micro_batch, "meta"), hw, by_op=True)
+    return model.by_op, model.clock.compute
+
+
+def by_class(by_op: dict) -> dict:
+    """{class: [kernels, seconds, bytes]} of a {name: [kernels, seconds, bytes]} (`op_class`)."""
     out: dict = {}
-    for name, (k, t, b) in model.by_op.items():
+    for name, (k, t, b) in by_op.items():
         row = out.setdefault(op_class(name), [0, 0.0, 0])
         row[0], row[1], row[2] = row[0] + k, row[1] + t, row[2] + b
-    return out, model.clock.compute
+    return out
+
+
+def memory_bound_matched(moved: dict, profiled: dict) -> dict:
+    """What the HBM rate is fitted on: the one block's memory-bound kernels that the plan
+    (`moved`: {name: [kernels, seconds, bytes]}) and torch's profiler (`profiled`: {aten op:
+    device seconds}) both name, {"bytes", "seconds", "ops"}. The copies count as one class
+    (the profiler puts a cast's kernel on copy_, the plan on _to_copy); every other op of
+    the elementwise class counts where the profiler timed kernels under its name. A compiled
+    region matches nothing and is left out on both sides: the plan prices it under the
+    region's name, partly at the matmul rate (a MoE layer's grouped GEMMs), while on the GPU
+    its generated kernels carry no aten name and the GEMMs it calls do, so a fit by class
+    over both took GEMM time for memory traffic (1b-moe's one block: 1.4 ms more
+    memory-bound time than 350m's at the same bytes)."""
+    copies = [n for n in profiled if op_class(n) == "copy"]
+    names = sorted(n for n in moved if op_class(n) == "elementwise" and profiled.get(n, 0.0) > 0)
+    nbytes = sum(moved[n][2] for n in names) + sum(b for n, (_, _, b) in moved.items() if op_class(n) == "copy")
+    seconds = sum(profiled[n] for n in names + copies)
+    return {"bytes": nbytes, "seconds": seconds, "ops": names + (["copies"] if copies else [])}
 
 
 def measure_selective_floor(cfg: GPTConfig, device: str, rounds: int = 5) -> float:
@@ -472,13 +495,15 @@ def measure_model_kernels(cfg, micro_batch, device) -> dict:
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
-        device_s: dict = {}
+        by_op: dict = {}
         for e in prof.key_averages():
             us = getattr(e, "self_device_time_total", None)
             us = getattr(e, "self_cuda_time_total", 0) if us is None else us
             if us and e.key.startswith("aten::"):
-                device_s[op_class(e.key)] = device_s.get(op_class(e.key), 0.0) + us / 1e6 / 3
-        out["device_s"] = device_s
+                name = e.key.removeprefix("aten::")
+                by_op[name] = by_op.get(name, 0.0) + us / 1e6 / 3
+        out["device_by_op_s"] = by_op
+        out["device_s"] = {c: sum(s for n, s in by_op.items() if op_class(n) == c) for c in {op_class(n) for n in by_op}}
     tiny = cfg.with_(seq_len=16)
     small = one_layer_step(tiny, 1, device)
     kernels = counted(one_layer_step(tiny, 1, "meta")).kernels
@@ -601,11 +626,10 @@ def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch:
     fp32 = rate(m["matmul_fp32"]) / matmul_fraction
     attention_fraction, attention_table = fit_attention(m["attention"], cfg, base.peak_bf16_flops)
     one = m["one_layer"]
-    moved, _ = predicted_by_class(cfg, micro_batch, base)
-    memory_bound = ("copy", "elementwise")
-    profiled = sum(one.get("device_s", {}).get(c, 0.0) for c in memory_bound)
-    if profiled:  # the model's own memory-bound kernels, as the profiler timed them
-        hbm_fraction = sum(moved.get(c, [0, 0, 0])[2] for c in memory_bound) / profiled / base.hbm_bandwidth
+    moved, _ = predicted_by_op(cfg, micro_batch, base)
+    matched = memory_bound_matched(moved, one.get("device_by_op_s", {}))
+    if matched["seconds"]:  # the model's own memory-bound kernels, as the profiler timed them
+        hbm_fraction = matched["bytes"] / matched["seconds"] / base.hbm_bandwidth
     else:  # (no device profiler on CPUs) the elementwise kernels timed alone
         hbm_fraction = statistics.median(r["bytes"] / r["seconds"] for r in m["elementwise"]) / base.hbm_bandwidth
     optimizer_hbm_fraction = m["optimizer"]["bytes"] / m["optimizer"]["seconds"] / base.hbm_bandwidth
@@ -633,10 +657,11 @@ def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch:
               "collective_floor": m.get("collective_floor"), "matmuls": [], "attention": [], "elementwise": [],
               "optimizer": m["optimizer"],
               "collectives": []}
-    by_class, total = predicted_by_class(cfg, micro_batch, hw)
-    record["one_layer"] = {**one, "predicted_s": total,
-                           "predicted_by_class_s": {c: row[1] for c, row in by_class.items()},
-                           "kernels_by_class": {c: row[0] for c, row in by_class.items()}}
+    predicted, total = predicted_by_op(cfg, micro_batch, hw)
+    classes = by_class(predicted)
+    record["one_layer"] = {**one, "predicted_s": total, "hbm_fit": matched if matched["seconds"] else None,
+                           "predicted_by_class_s": {c: row[1] for c, row in classes.items()},
+                           "kernels_by_class": {c: row[0] for c, row in classes.items()}}
     for key in ("matmul_bf16", "matmul_fp32"):
         for r in m[key]:
             rate_ = model.flop_rate if key == "matmul_bf16" else model.fp32_rate
@@ -679,6 +704,15 @@ def _one_layer_line(one: dict) -> str:
                         ("matmul", "attention", "copy", "elementwise"))
     return (f"  one block + head, forward and backward: measured {one['wall_s'] * 1e3:.2f} ms wall, predicted "
             f"{one['predicted_s'] * 1e3:.2f} ms; by class, ms predicted{'/profiled' if measured else ''}: {classes}")
+
+
+def _hbm_fit(record: dict) -> str:
+    """What of the one block the HBM rate was fitted on (`memory_bound_matched`), if profiled."""
+    fit = record["one_layer"].get("hbm_fit")
+    if not fit:
+        return ": the elementwise kernels timed alone"
+    return (f": the one block's memory-bound kernels, {fit['bytes'] / 1e9:.2f} GB in {fit['seconds'] * 1e3:.2f} ms "
+            f"over {', '.join(fit['ops'])}")
 
 
 def _calls(program: dict) -> str:
@@ -730,8 +764,8 @@ def summary(hw: Hardware, record: dict) -> str:
              f"({hw.attention_fraction * hw.peak_bf16_flops / 1e12:.0f} TFLOP/s, causal fwd+bwd, at the model's head "
              f"dimension and sequence)",
              *_attention_table_lines(hw),
-             f"  hbm_fraction       {hw.hbm_fraction:.3f}  ({hw.hbm_fraction * hw.hbm_bandwidth / 1e12:.2f} TB/s; "
-             f"per kernel {spread(record['elementwise'])})",
+             f"  hbm_fraction       {hw.hbm_fraction:.3f}  ({hw.hbm_fraction * hw.hbm_bandwidth / 1e12:.2f} TB/s"
+             + _hbm_fit(record) + f"; each kernel alone {spread(record['elementwise'])})",
              f"  optimizer_hbm_fraction {hw.optimizer_hbm_fraction:.3f}  "
              f"({hw.optimizer_hbm_fraction * hw.hbm_bandwidth / 1e12:.2f} TB/s: one master_adamw pass over "
              f"{record['optimizer']['elements'] / 2**20:.0f} Mi parameters, {record['optimizer']['seconds'] * 1e3:.2f} ms)",
