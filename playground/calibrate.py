@@ -197,7 +197,12 @@ def attention_shapes(cfg, batch: int, cuda: bool) -> list:
 
 def measure_attention(cfg, batch, device) -> list:
     """Causal SDPA forward and backward (separate query, key and value, as the model's) at
-    each of `attention_shapes`: [{batch, heads, seq, head_dim, flops, seconds}]."""
+    each of `attention_shapes`: [{batch, heads, seq, head_dim, flops, seconds}]. The gradients
+    are returned, not accumulated: a `.backward()` called again adds each new gradient into
+    the last (three elementwise adds, nine tensors' bytes) inside the timed attention, where
+    the model's attention writes its gradients once (on one H100 the one block's attention
+    was priced 20-30% above its profiled kernels by a table timed so:
+    benchmarks/results/gpu/run79_device_fit_h100)."""
     rows = []
     for b, heads, seq, head_dim in attention_shapes(cfg, batch, device.startswith("cuda")):
         q, k, v = (torch.randn(b, heads, seq, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -206,7 +211,7 @@ def measure_attention(cfg, batch, device) -> list:
 
         def step():
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            out.backward(grad)
+            torch.autograd.grad(out, (q, k, v), grad)
         rows.append({"batch": b, "heads": heads, "seq": seq, "head_dim": head_dim,
                      "flops": attention_flops(b, heads, seq, head_dim), "seconds": timed(step, device, inner=3)})
         del q, k, v, grad
