@@ -126,6 +126,27 @@ def timed(fn, device: str, repeats: int = 5, inner: int = 1) -> float:
     return statistics.median(samples)
 
 
+def profiled_by_op(fn, calls: int = 3) -> dict:
+    """{aten op: device seconds a call} of `fn` on CUDA under torch's profiler (CUPTI's
+    kernel times, each kernel on the innermost aten op that launched it): the device's own
+    time, without the host's gaps between launches. After one call outside the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:  # (aten ops are CPU events)
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    by_op: dict = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        us = getattr(e, "self_cuda_time_total", 0) if us is None else us
+        if us and e.key.startswith("aten::"):
+            name = e.key.removeprefix("aten::")
+            by_op[name] = by_op.get(name, 0.0) + us / 1e6 / calls
+    return by_op
+
+
 # -- compute -------------------------------------------------------------------------------------
 def gemm_shapes(cfg: GPTConfig, tokens: int) -> list:
     """[(m, k, n)] of the products of one block and the head on `tokens` rows: for each
@@ -202,7 +223,11 @@ def measure_attention(cfg, batch, device) -> list:
     the last (three elementwise adds, nine tensors' bytes) inside the timed attention, where
     the model's attention writes its gradients once (on one H100 the one block's attention
     was priced 20-30% above its profiled kernels by a table timed so:
-    benchmarks/results/gpu/run79_device_fit_h100)."""
+    benchmarks/results/gpu/run79_device_fit_h100). On CUDA `seconds` is the kernels' time
+    under the profiler (`profiled_by_op`), `wall_s` the CUDA events' beside it: the events
+    time the host's launches too where they outlast the kernels (on a slow H100 host 350m's
+    attention read 0.130 of the peak by events, 0.26 ms planned to 0.47:
+    benchmarks/results/gpu/run82_calibrate_slow_host_h100), and a plan prices the host apart."""
     rows = []
     for b, heads, seq, head_dim in attention_shapes(cfg, batch, device.startswith("cuda")):
         q, k, v = (torch.randn(b, heads, seq, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -212,8 +237,11 @@ def measure_attention(cfg, batch, device) -> list:
         def step():
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             torch.autograd.grad(out, (q, k, v), grad)
-        rows.append({"batch": b, "heads": heads, "seq": seq, "head_dim": head_dim,
-                     "flops": attention_flops(b, heads, seq, head_dim), "seconds": timed(step, device, inner=3)})
+        row = {"batch": b, "heads": heads, "seq": seq, "head_dim": head_dim,
+               "flops": attention_flops(b, heads, seq, head_dim), "seconds": timed(step, device, inner=3)}
+        if device.startswith("cuda"):
+            row["wall_s"], row["seconds"] = row["seconds"], sum(profiled_by_op(step).values())
+        rows.append(row)
         del q, k, v, grad
     return rows
 
@@ -279,6 +307,9 @@ def measure_floor(device, ops: int = 200) -> float:
             y = y + 1
         return y
     return timed(chain, device) / ops
+
+
+MEMORY_BOUND = ("copy", "elementwise")  # the classes of `op_class` whose time is their bytes
 
 
 def op_class(name: str) -> str:
@@ -347,10 +378,9 @@ def memory_bound(moved: dict, profiled: dict) -> dict:
     generated kernels carry no aten name; the grouped GEMMs it calls are GEMMs (`op_class`).
     (A fit that took them in read a MoE layer's grouped GEMMs as memory traffic: 1b-moe's
     hbm_fraction 0.63 against 350m's 0.73, benchmarks/results/gpu/run79_device_fit_h100.)"""
-    memory_bound_ = ("copy", "elementwise")
     regions = sorted(n for n in moved if not hasattr(torch.ops.aten, n))
-    nbytes = sum(b for n, (_, _, b) in moved.items() if op_class(n) in memory_bound_ and n not in regions)
-    seconds = sum(t for n, t in profiled.items() if op_class(n) in memory_bound_)
+    nbytes = sum(b for n, (_, _, b) in moved.items() if op_class(n) in MEMORY_BOUND and n not in regions)
+    seconds = sum(t for n, t in profiled.items() if op_class(n) in MEMORY_BOUND)
     return {"bytes": nbytes, "seconds": seconds, "regions": regions}
 
 
@@ -490,26 +520,13 @@ def program_floors(program: dict, collective_floor: float | None, at_least: floa
 
 def measure_model_kernels(cfg, micro_batch, device) -> dict:
     """One forward and backward of a one-block GPT of the model's shapes: the wall time
-    per step (device events around it, so host gaps count) and, from torch's profiler,
-    the device time of each class of op; and the same step at a tiny size (batch 1,
+    per step (device events around it, so host gaps count) and, on CUDA, the device time
+    of each aten op (`profiled_by_op`); and the same step at a tiny size (batch 1,
     sequence 16), whose wall time over its kernel count is the host's cost per op."""
-    from torch.profiler import ProfilerActivity, profile
     step = one_layer_step(cfg, micro_batch, device)
     out = {"wall_s": timed(step, device, repeats=5)}
     if device.startswith("cuda"):
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:  # (aten ops are CPU events)
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-        by_op: dict = {}
-        for e in prof.key_averages():
-            us = getattr(e, "self_device_time_total", None)
-            us = getattr(e, "self_cuda_time_total", 0) if us is None else us
-            if us and e.key.startswith("aten::"):
-                name = e.key.removeprefix("aten::")
-                by_op[name] = by_op.get(name, 0.0) + us / 1e6 / 3
-        out["device_by_op_s"] = by_op
-        out["device_s"] = {c: sum(s for n, s in by_op.items() if op_class(n) == c) for c in {op_class(n) for n in by_op}}
+        out["device_by_op_s"] = profiled_by_op(step)
     tiny = cfg.with_(seq_len=16)
     small = one_layer_step(tiny, 1, device)
     kernels = counted(one_layer_step(tiny, 1, "meta")).kernels
@@ -633,9 +650,9 @@ def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch:
     attention_fraction, attention_table = fit_attention(m["attention"], cfg, base.peak_bf16_flops)
     one = m["one_layer"]
     moved, _ = predicted_by_op(cfg, micro_batch, base)
-    matched = memory_bound(moved, one.get("device_by_op_s", {}))
-    if matched["seconds"]:  # the model's own memory-bound kernels, as the profiler timed them
-        hbm_fraction = matched["bytes"] / matched["seconds"] / base.hbm_bandwidth
+    hbm_fit = memory_bound(moved, one.get("device_by_op_s", {}))
+    if hbm_fit["seconds"]:  # the model's own memory-bound kernels, as the profiler timed them
+        hbm_fraction = hbm_fit["bytes"] / hbm_fit["seconds"] / base.hbm_bandwidth
     else:  # (no device profiler on CPUs) the elementwise kernels timed alone
         hbm_fraction = statistics.median(r["bytes"] / r["seconds"] for r in m["elementwise"]) / base.hbm_bandwidth
     optimizer_hbm_fraction = m["optimizer"]["bytes"] / m["optimizer"]["seconds"] / base.hbm_bandwidth
@@ -665,7 +682,7 @@ def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch:
               "collectives": []}
     predicted, total = predicted_by_op(cfg, micro_batch, hw)
     classes = by_class(predicted)
-    record["one_layer"] = {**one, "predicted_s": total, "hbm_fit": matched if matched["seconds"] else None,
+    record["one_layer"] = {**one, "predicted_s": total, "hbm_fit": hbm_fit if hbm_fit["seconds"] else None,
                            "predicted_by_class_s": {c: row[1] for c, row in classes.items()},
                            "kernels_by_class": {c: row[0] for c, row in classes.items()}}
     for key in ("matmul_bf16", "matmul_fp32"):
@@ -704,7 +721,9 @@ def write_profile(hw: Hardware, record: dict, path: str) -> None:
 
 
 def _one_layer_line(one: dict) -> str:
-    measured = one.get("device_s", {})
+    measured: dict = {}  # the profiled device time by class
+    for name, seconds in one.get("device_by_op_s", {}).items():
+        measured[op_class(name)] = measured.get(op_class(name), 0.0) + seconds
     classes = ", ".join(f"{c} {one['predicted_by_class_s'].get(c, 0) * 1e3:.2f}"
                         + (f"/{measured.get(c, 0) * 1e3:.2f}" if measured else "") for c in
                         ("matmul", "attention", "copy", "elementwise"))
@@ -748,6 +767,16 @@ def _program_lines(hw: Hardware, record: dict) -> list:
         "(the regions run op by op on this device: one kernel_floor)")]
 
 
+def _attention_timing(record: dict) -> str:
+    """How the attention was timed: on CUDA its kernels under the profiler, the events'
+    wall time at the model's shape beside it (`measure_attention`)."""
+    own = [r for r in record["attention"] if "wall_s" in r and
+           (r["head_dim"], r["seq"]) == (record["model"]["d_model"] // record["model"]["n_heads"], record["model"]["seq_len"])]
+    if not own:
+        return ""
+    return f"; its kernels' time under the profiler, {own[0]['fraction'] * own[0]['seconds'] / own[0]['wall_s']:.3f} by CUDA events"
+
+
 def _attention_table_lines(hw: Hardware) -> list:
     if not hw.attention_table:
         return []
@@ -768,7 +797,7 @@ def summary(hw: Hardware, record: dict) -> str:
              f"{spread([r for r in record['matmuls'] if r['dtype'] == 'float32'])})",
              f"  attention_fraction {hw.attention_fraction:.3f}  "
              f"({hw.attention_fraction * hw.peak_bf16_flops / 1e12:.0f} TFLOP/s, causal fwd+bwd, at the model's head "
-             f"dimension and sequence)",
+             f"dimension and sequence{_attention_timing(record)})",
              *_attention_table_lines(hw),
              f"  hbm_fraction       {hw.hbm_fraction:.3f}  ({hw.hbm_fraction * hw.hbm_bandwidth / 1e12:.2f} TB/s"
              + _hbm_fit(record) + f"; each kernel alone {spread(record['elementwise'])})",

@@ -14,7 +14,7 @@ from playground import Layout, RunConfig
 from playground import training
 from playground.calibrate import (PROGRAM_ROUNDS, PROGRAM_STEPS, PROGRAM_WARMUP, attention_shapes, coefficients, cost_op,
                                   fit_alpha_beta, fit_attention, gemm_shapes, issued, measure_program, memory_bound,
-                                  narrow, op_class, predicted_by_op, program_floor, program_floors, program_run, region_calls)
+                                  narrow, op_class, predicted_by_op, _attention_timing, _one_layer_line, program_floor, program_floors, program_run, region_calls)
 from playground.cli import main
 from playground.planning import plan
 from simulator.cost_model import collective_cost
@@ -63,6 +63,26 @@ def test_the_hbm_rate_is_fitted_on_the_memory_bound_classes_less_compiled_region
                 "copy_": sum(b for n, (_, _, b) in moved.items() if op_class(n) == "copy") / rate}
     fit = memory_bound(moved, profiled)
     assert fit["bytes"] / fit["seconds"] == pytest.approx(rate, rel=1e-9)
+
+
+def test_the_summary_gives_the_profiled_block_by_class_from_its_ops():
+    """On CUDA the record keeps the one block's device time by aten op; the summary's line
+    sums it by class (`op_class`) beside the plan's."""
+    one = {"wall_s": 5e-3, "predicted_s": 4e-3,
+           "predicted_by_class_s": {"matmul": 2e-3, "attention": 1e-3, "copy": 2e-4, "elementwise": 8e-4},
+           "device_by_op_s": {"mm": 1.5e-3, "addmm": 0.6e-3, "_flash_attention_forward": 0.3e-3,
+                              "_flash_attention_backward": 0.6e-3, "copy_": 0.25e-3, "mul": 0.5e-3, "fill_": 0.2e-3}}
+    line = _one_layer_line(one)
+    assert "predicted/profiled: matmul 2.00/2.10, attention 1.00/0.90, copy 0.20/0.25, elementwise 0.80/0.70" in line
+    del one["device_by_op_s"]  # (CPUs: no device profiler)
+    assert "ms predicted: matmul 2.00, attention 1.00, copy 0.20, elementwise 0.80" in _one_layer_line(one)
+    # attention timed by its kernels on CUDA, the events' wall time at the model's shape beside it
+    rec = {"model": {"d_model": 1024, "n_heads": 16, "seq_len": 1024},
+           "attention": [{"head_dim": 64, "seq": 512, "fraction": 0.2, "seconds": 1e-3, "wall_s": 4e-3},
+                         {"head_dim": 64, "seq": 1024, "fraction": 0.3, "seconds": 1e-3, "wall_s": 2e-3}]}
+    assert _attention_timing(rec) == "; its kernels' time under the profiler, 0.150 by CUDA events"
+    assert _attention_timing({**rec, "attention": [{k: v for k, v in r.items() if k != "wall_s"}
+                                                   for r in rec["attention"]]}) == ""
 
 
 def test_attention_is_fitted_by_head_dimension_and_sequence():
