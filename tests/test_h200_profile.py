@@ -1,0 +1,46 @@
+"""benchmarks/h200_profile.py: the shipped H200 profile takes a one-GPU calibration's fields
+and keeps what only two GPUs measure from the 2-GPU one."""
+import copy
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.h200_profile import KEPT, TWO_GPU, merged  # noqa: E402
+from simulator.hardware import CALIBRATED, hardware_from_dict  # noqa: E402
+
+
+def _profiles():
+    with open(os.path.join(CALIBRATED, "h200.json")) as f:
+        shipped = json.load(f)
+    links = copy.deepcopy(shipped)
+    links["calibration"]["ranks"] = 2
+    links["calibration"].pop("two_gpu", None)
+    links["calibration"].setdefault("collectives", [])
+    fresh = copy.deepcopy(shipped)
+    fresh.update(name="h200-1b", kernel_floor=2.5e-5, hbm_fraction=0.7, nvlink_latency=2e-6, collective_floor=None,
+                 sm_count=None, matmul_tiles=None, source="playground calibrate on 1× NVIDIA H200 (2026-12-07); "
+                 "peaks, HBM bandwidth and network from h200-datasheet; NVLink not measured (one rank)")
+    fresh["calibration"].update(ranks=1, device="NVIDIA H200")
+    return fresh, links
+
+
+def test_the_fresh_fields_and_the_two_gpu_links():
+    fresh, links = _profiles()
+    out = merged(fresh, links)
+    hw = hardware_from_dict(out)
+    assert hw.name == "h200" and hw.kernel_floor == 2.5e-5 and hw.hbm_fraction == 0.7
+    for k in (*TWO_GPU, *KEPT):
+        assert out[k] == links[k], k
+    assert "NVLink not measured" not in hw.source and "from playground calibrate on 2×" in hw.source
+    assert out["calibration"]["ranks"] == 1 and out["calibration"]["two_gpu"]["ranks"] == 2
+
+
+def test_it_refuses_a_calibration_of_another_gpu():
+    fresh, links = _profiles()
+    fresh["calibration"]["device"] = "NVIDIA H100 80GB HBM3"
+    with pytest.raises(SystemExit, match="one H200's calibration and a 2-GPU one, got 1× NVIDIA H100"):
+        merged(fresh, links)
