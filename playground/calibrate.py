@@ -19,7 +19,8 @@ from the `--base` profile (datasheet numbers); what is fitted:
   over sequences of 512-16384 tokens at the model's tokens and width (the table a plan
   reads by head dimension and sequence, `attention_shapes`): a kernel's efficiency moves
   with the sequence, and a profile fitted at one shape alone planned every model's
-  attention at that shape's rate.
+  attention at that shape's rate. On CUDA each point is its kernels' time under torch's
+  profiler: the host's launches are the floors' to price, not the kernel's.
 - `hbm_fraction`: one block and the head of the model, forward and backward, under
   torch's profiler: the bytes its copies and elementwise ops (normalisation, RoPE,
   SwiGLU, the loss) move, as the compute model counts them on meta tensors, over their
