@@ -34,26 +34,28 @@ def model_name(cfg: dict) -> str:
 def merged(fresh: dict, links: dict) -> dict:
     """The profile: `fresh`'s fields and record, `links`'s TWO_GPU and KEPT fields."""
     rec = fresh["calibration"]
-    if "H200" not in rec["device"] or rec["ranks"] != 1 or links["calibration"]["ranks"] < 2:
+    # (a profile this wrote keeps its 2-GPU record as `two_gpu`: it can be the next one's `links`)
+    two = links["calibration"].get("two_gpu") or {
+        "source": links["source"].split(";")[0],
+        **{k: links["calibration"][k] for k in ("ranks", "device", "collective_floor", "collectives")}}
+    if "H200" not in rec["device"] or rec["ranks"] != 1 or two["ranks"] < 2:
         raise SystemExit(f"h200_profile: wants one H200's calibration and a 2-GPU one, got {rec['ranks']}× "
-                         f"{rec['device']} and {links['calibration']['ranks']}× {links['calibration']['device']}")
+                         f"{rec['device']} and {two['ranks']}× {two['device']}")
     out = {k: v for k, v in fresh.items() if k != "calibration"}
     for k in (*TWO_GPU, *KEPT):
         if links.get(k) is not None:
             out[k] = links[k]
     out["name"] = "h200"
-    out["source"] = (f"{fresh['source'].replace('; NVLink not measured (one rank)', '')}; NVLink α, 1/β and collective_floor from {links['source'].split(';')[0]}")
+    out["source"] = (f"{fresh['source'].replace('; NVLink not measured (one rank)', '')}; NVLink α, 1/β and collective_floor from {two['source']}")
     out["sources"] = {
         "calibrated": "every field but those below: playground calibrate on one "
                       f"{rec['device']}, the model {model_name(rec['model'])} at micro-batch {rec['micro_batch']} "
                       "(the `calibration` record)",
-        "two_gpu": f"{', '.join(TWO_GPU)}: {links['source'].split(';')[0]} (the record's `two_gpu`)",
+        "two_gpu": f"{', '.join(TWO_GPU)}: {two['source']} (the record's `two_gpu`)",
         "datasheet": "peak_bf16_flops, hbm_bandwidth, network_bandwidth, network_latency, gpus_per_node: h200-datasheet",
         "sm_count": "datasheet: 132 SMs (the H200 SXM's GH100)",
         "matmul_tiles": "cuBLAS's common Hopper tile shapes, as profiles/h100-sxm.json",
     }
-    two = links["calibration"].get("two_gpu") or {
-        k: links["calibration"][k] for k in ("ranks", "device", "collective_floor", "collectives")}
     out["calibration"] = {**rec, "two_gpu": two}
     hardware_from_dict(out, "merged")  # (every field valid)
     return out

@@ -37,6 +37,8 @@ def test_the_fresh_fields_and_the_two_gpu_links():
         assert out[k] == links[k], k
     assert "NVLink not measured" not in hw.source and "from playground calibrate on 2×" in hw.source
     assert out["calibration"]["ranks"] == 1 and out["calibration"]["two_gpu"]["ranks"] == 2
+    again = merged(fresh, out)  # (the profile written is the next refit's links)
+    assert again["calibration"]["two_gpu"] == out["calibration"]["two_gpu"] and again["source"] == out["source"]
 
 
 def test_it_refuses_a_calibration_of_another_gpu():
