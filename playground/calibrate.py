@@ -127,6 +127,10 @@ def timed(fn, device: str, repeats: int = 5, inner: int = 1) -> float:
     return statistics.median(samples)
 
 
+class MeasurementError(RuntimeError):
+    """A measurement that cannot be fitted (`playground calibrate` prints it on one line)."""
+
+
 def profiled_by_op(fn, calls: int = 3) -> dict:
     """{aten op: device seconds a call} of `fn` on CUDA under torch's profiler (CUPTI's
     kernel times, each kernel on the innermost aten op that launched it): the device's own
@@ -251,6 +255,12 @@ def fit_attention(rows: list, cfg, peak: float) -> tuple:
     """(attention_fraction at the model's own shape, attention_table or None): each measured
     point's FLOP/s over the bf16 peak, by head dimension and sequence (Hardware.attention_table,
     interpolated in log(sequence) between the points); no table from a single point."""
+    for r in rows:  # (a rate from no time would be infinite: said, not replaced by the events' time)
+        if r["seconds"] <= 0:
+            raise MeasurementError(
+                f"attention at batch {r['batch']}, heads {r['heads']}, sequence {r['seq']}, head dimension "
+                f"{r['head_dim']}: no kernel time was recorded"
+                + (f" (CUDA events timed {r['wall_s'] * 1e3:.3f} ms)" if "wall_s" in r else ""))
     fraction = {(r["head_dim"], r["seq"]): r["flops"] / r["seconds"] / peak for r in rows}
     own = fraction[(cfg.head_dim, cfg.seq_len)]
     if len(fraction) == 1:

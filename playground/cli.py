@@ -223,9 +223,13 @@ def _calibrate(args) -> int:
         return 2
     from model.config import preset
 
-    from .calibrate import calibrate, summary, write_profile
-    hw, record = calibrate(args.backend, args.world, preset(args.model), args.micro_batch_size, args.base,
-                           args.max_mib, name)
+    from .calibrate import MeasurementError, calibrate, summary, write_profile
+    try:
+        hw, record = calibrate(args.backend, args.world, preset(args.model), args.micro_batch_size, args.base,
+                               args.max_mib, name)
+    except MeasurementError as e:
+        print(f"playground calibrate: {e}", file=sys.stderr)
+        return 1
     if _is_rank0(args.backend):
         write_profile(hw, record, args.out)
         print(summary(hw, record))

@@ -13,7 +13,7 @@ from model import preset
 from playground import Layout, RunConfig
 from playground import training
 from playground.calibrate import (PROGRAM_ROUNDS, PROGRAM_STEPS, PROGRAM_WARMUP, attention_shapes, coefficients, cost_op,
-                                  fit_alpha_beta, fit_attention, gemm_shapes, issued, measure_program, memory_bound,
+                                  MeasurementError, fit_alpha_beta, fit_attention, gemm_shapes, issued, measure_program, memory_bound,
                                   narrow, op_class, predicted_by_op, _attention_timing, _one_layer_line, program_floor, program_floors, program_run, region_calls)
 from playground.cli import main
 from playground.planning import plan
@@ -108,6 +108,16 @@ def test_attention_is_fitted_by_head_dimension_and_sequence():
     assert fit_attention(rows[2:3], cfg, hw.peak_bf16_flops) == (pytest.approx(rate(64, 2048)), None)
 
 
+def test_an_attention_shape_without_kernel_time_is_said_not_fitted():
+    """A profile that recorded no kernel at a shape would give an infinite rate: the fit
+    names the shape and the events' time instead."""
+    cfg = preset("1b")
+    rows = [{"batch": 4, "heads": 32, "seq": 2048, "head_dim": 64, "flops": 1e12, "seconds": 0.0, "wall_s": 2e-3}]
+    with pytest.raises(MeasurementError, match=r"batch 4, heads 32, sequence 2048, head dimension 64: no kernel "
+                                               r"time was recorded \(CUDA events timed 2.000 ms\)"):
+        fit_attention(rows, cfg, PROFILES["h100-datasheet"].peak_bf16_flops)
+
+
 @pytest.mark.slow
 def test_calibrate_writes_a_profile_that_plan_takes(tmp_path):
     out = tmp_path / "cpu.json"
@@ -154,6 +164,13 @@ def test_calibrate_refuses_what_it_cannot_run(tmp_path, capsys, monkeypatch):
     assert code == 2 and "needs --world N" in err
     code, err = run("--backend", "gloo", "--world", "2", "--base", "tpu-v9")
     assert code == 2 and "--base" in err and "tpu-v9" in err
+    assert not (tmp_path / "x.json").exists()
+
+    def unfittable(*args):
+        raise MeasurementError("attention at batch 4: no kernel time was recorded")
+    monkeypatch.setattr("playground.calibrate.calibrate", unfittable)
+    code, err = run("--backend", "gloo", "--world", "2")
+    assert code == 1 and err == "playground calibrate: attention at batch 4: no kernel time was recorded\n"
     assert not (tmp_path / "x.json").exists()
 
 
