@@ -4,7 +4,9 @@ every field one GPU measures is the fresh one's; what only two GPUs measure (NVL
 1/β, Hockney 1994, and the host's cost per collective call) and what no calibration measures
 (the SM count, a datasheet number, and cuBLAS's tile shapes) stay the earlier profile's, each
 named in the file's `sources`. The earlier profile's 2-GPU record of them stays in the fresh
-record, as its `two_gpu`.
+record, as its `two_gpu`. The matmul fraction is refitted in the kept tiles (`retiled`): a
+calibration on the datasheet base, which has none, fits a fraction that holds their waste
+already, and the tiles would count it twice.
 
     python benchmarks/h200_profile.py --fresh h200-1b.json --links simulator/profiles/h200.json \
         --out simulator/profiles/h200.json
@@ -16,7 +18,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from model import PRESETS, preset  # noqa: E402
+from model import PRESETS, GPTConfig, preset  # noqa: E402
+from playground.calibrate import fit_matmuls, gemm_shapes, matmuls_predicted  # noqa: E402
 from simulator.hardware import hardware_from_dict  # noqa: E402
 
 TWO_GPU = ("nvlink_latency", "nvlink_bandwidth", "collective_floor")  # what one GPU cannot measure
@@ -29,6 +32,26 @@ def model_name(cfg: dict) -> str:
         if preset(name).to_dict() == cfg:
             return name
     return f"d_model {cfg['d_model']}, {cfg['n_layers']} layers"
+
+
+def retiled(profile: dict) -> dict:
+    """`profile` with its matmul_fraction and fp32_flops refitted from its record's timed GEMMs
+    in its own sm_count and matmul_tiles (calibrate.fit_matmuls: each GEMM as often as a step
+    runs it, its FLOPs in whole tiles and waves), and the record's GEMMs predicted again."""
+    rec = profile["calibration"]
+    cfg = GPTConfig(**rec["model"])
+    shapes = gemm_shapes(cfg, rec["micro_batch"] * cfg.seq_len)
+    by_dtype = {}
+    for dtype in ("bfloat16", "float32"):
+        rows = [r for r in rec["matmuls"] if r["dtype"] == dtype]
+        if [(r["m"], r["k"], r["n"]) for r in rows] != [s[:3] for s in shapes]:
+            raise SystemExit(f"h200_profile: the record's {dtype} GEMMs are not its model's {len(shapes)} shapes")
+        by_dtype[dtype] = [{**r, "per_step": s[3]} for r, s in zip(rows, shapes)]
+    fraction, fp32 = fit_matmuls(by_dtype["bfloat16"], by_dtype["float32"], hardware_from_dict(profile))
+    out = {**profile, "matmul_fraction": fraction, "fp32_flops": fp32}
+    out["calibration"] = {**rec, "matmuls": matmuls_predicted(by_dtype["bfloat16"] + by_dtype["float32"],
+                                                              hardware_from_dict(out))}
+    return out
 
 
 def merged(fresh: dict, links: dict) -> dict:
@@ -55,8 +78,11 @@ def merged(fresh: dict, links: dict) -> dict:
         "datasheet": "peak_bf16_flops, hbm_bandwidth, network_bandwidth, network_latency, gpus_per_node: h200-datasheet",
         "sm_count": "datasheet: 132 SMs (the H200 SXM's GH100)",
         "matmul_tiles": "cuBLAS's common Hopper tile shapes, as profiles/h100-sxm.json",
+        "matmul_fraction": "the calibration's timed GEMMs, refitted in these tiles (benchmarks/h200_profile.py, "
+                           "`retiled`)",
     }
     out["calibration"] = {**rec, "two_gpu": two}
+    out = retiled(out)
     hardware_from_dict(out, "merged")  # (every field valid)
     return out
 

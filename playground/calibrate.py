@@ -10,9 +10,15 @@ from the `--base` profile (datasheet numbers); what is fitted:
 
 - `matmul_fraction`: the bf16 GEMMs of one block and of the head of `--model` at
   `--micro-batch-size` (each weight's forward product and backward's two), achieved
-  FLOP/s over the bf16 peak, weighted by FLOPs (the time the model spends in them).
-- `fp32_flops`: the same GEMMs in float32, so that `fp32_flops · matmul_fraction` is the
-  achieved rate (torch's default float32 matmuls, TF32 off).
+  FLOP/s over the bf16 peak, each GEMM as often as a step runs it (a block's once per
+  layer, the head's once: the time the model spends in them) and, where the base profile
+  gives `sm_count` and `matmul_tiles`, its FLOPs counted in the whole tiles and waves a plan
+  prices it in (`fit_matmuls`): at the model's own shapes the plan's GEMMs then take the
+  time they were measured at. (Weighted once per shape, 1b's head, 0.82 of the peak on an
+  H200 against 0.62-0.80 for the block's, put the fraction at 0.78 for the 0.74 of a step,
+  and the tiles counted on top of a fraction that held them already.)
+- `fp32_flops`: the same GEMMs in float32, weighted so, so that `fp32_flops ·
+  matmul_fraction` is the achieved rate (torch's default float32 matmuls, TF32 off).
 - `attention_fraction`, `attention_table`: causal `scaled_dot_product_attention` forward
   and backward, FLOPs counted as the compute model counts them (the causal half), at the
   model's shape (the fraction) and, on CUDA, at head dimensions 64, 128 and the model's
@@ -154,27 +160,57 @@ def profiled_by_op(fn, calls: int = 3) -> dict:
 
 # -- compute -------------------------------------------------------------------------------------
 def gemm_shapes(cfg: GPTConfig, tokens: int) -> list:
-    """[(m, k, n)] of the products of one block and the head on `tokens` rows: for each
-    weight (out, in), the forward x·Wᵀ (tokens, in, out), the input gradient dY·W
-    (tokens, out, in) and the weight gradient dYᵀ·X (out, tokens, in)."""
+    """[(m, k, n, per_step)] of the products of one block and the head on `tokens` rows: for
+    each weight (out, in), the forward x·Wᵀ (tokens, in, out), the input gradient dY·W
+    (tokens, out, in) and the weight gradient dYᵀ·X (out, tokens, in); `per_step`, how many
+    times a step of the model runs it (a block's once per layer, the head's once)."""
     kv = cfg.kv_heads * cfg.head_dim
-    weights = [(cfg.d_model + 2 * kv, cfg.d_model), (cfg.d_model, cfg.d_model), (2 * cfg.d_ff, cfg.d_model),
-               (cfg.d_model, cfg.d_ff), (cfg.vocab_size, cfg.d_model)]
+    weights = [(cfg.d_model + 2 * kv, cfg.d_model, cfg.n_layers), (cfg.d_model, cfg.d_model, cfg.n_layers),
+               (2 * cfg.d_ff, cfg.d_model, cfg.n_layers), (cfg.d_model, cfg.d_ff, cfg.n_layers),
+               (cfg.vocab_size, cfg.d_model, 1)]
     out = []
-    for o, i in weights:
-        out += [(tokens, i, o), (tokens, o, i), (o, tokens, i)]
+    for o, i, per_step in weights:
+        out += [(tokens, i, o, per_step), (tokens, o, i, per_step), (o, tokens, i, per_step)]
     return out
 
 
 def measure_matmuls(cfg, tokens, device, dtype) -> list:
     rows = []
-    for m, k, n in gemm_shapes(cfg, tokens):
+    for m, k, n, per_step in gemm_shapes(cfg, tokens):
         a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
         t = timed(lambda: a @ b, device, inner=5)  # (back to back: the device's time, not the launch's)
         rows.append({"m": m, "k": k, "n": n, "dtype": str(dtype).removeprefix("torch."), "flops": 2 * m * k * n,
-                     "seconds": t})
+                     "per_step": per_step, "seconds": t})
         del a, b
     return rows
+
+
+def fit_matmuls(bf16: list, fp32: list, base: Hardware) -> tuple:
+    """(matmul_fraction, fp32_flops) from the timed GEMMs of `measure_matmuls`: each as often
+    as a step runs it, the bf16 ones' FLOPs in whole tiles and waves of the base profile
+    (Hardware.wave_quantization, NVIDIA's "Matrix Multiplication Background User's Guide"; 1
+    without its fields), as the compute model prices them, so that a plan at the measured
+    shapes gives the measured time, no quantization counted twice."""
+    def work(r, tiles: bool):
+        return r["per_step"] * r["flops"] * (base.wave_quantization(r["m"], r["n"]) if tiles else 1.0)
+    fraction = sum(work(r, True) for r in bf16) / sum(r["per_step"] * r["seconds"] for r in bf16) \
+        / base.peak_bf16_flops
+    fp32_rate = sum(work(r, False) for r in fp32) / sum(r["per_step"] * r["seconds"] for r in fp32)
+    return fraction, fp32_rate / fraction
+
+
+def matmuls_predicted(rows: list, hw: Hardware) -> list:
+    """The timed GEMMs, each with the time the compute model gives it on `hw` (`predicted`:
+    a 16-bit one in whole tiles and waves, at least one kernel_floor) and its `error`."""
+    out = []
+    for r in rows:
+        if r["dtype"] in ("bfloat16", "float16"):
+            predicted = r["flops"] * hw.wave_quantization(r["m"], r["n"]) / (hw.peak_bf16_flops * hw.matmul_fraction)
+        else:
+            predicted = r["flops"] / (hw.fp32_flops * hw.matmul_fraction)
+        predicted = max(hw.kernel_floor, predicted)
+        out.append({**r, "predicted": predicted, "error": predicted / r["seconds"] - 1})
+    return out
 
 
 def counted(program, hw: Hardware | None = None, by_op: bool = False) -> ComputeModel:
@@ -654,10 +690,7 @@ def measure(world, cfg: GPTConfig, micro_batch: int, max_mib: float, device: str
 
 def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch: int) -> tuple:
     """(the fitted Hardware, the calibration record) from one rank's measurements."""
-    def rate(rows):
-        return sum(r["flops"] for r in rows) / sum(r["seconds"] for r in rows)
-    matmul_fraction = rate(m["matmul_bf16"]) / base.peak_bf16_flops
-    fp32 = rate(m["matmul_fp32"]) / matmul_fraction
+    matmul_fraction, fp32 = fit_matmuls(m["matmul_bf16"], m["matmul_fp32"], base)
     attention_fraction, attention_table = fit_attention(m["attention"], cfg, base.peak_bf16_flops)
     one = m["one_layer"]
     moved, _ = predicted_by_op(cfg, micro_batch, base)
@@ -696,11 +729,7 @@ def fit(m: dict, base: Hardware, p: int, name: str, cfg: GPTConfig, micro_batch:
     record["one_layer"] = {**one, "predicted_s": total, "hbm_fit": hbm_fit if hbm_fit["seconds"] else None,
                            "predicted_by_class_s": {c: row[1] for c, row in classes.items()},
                            "kernels_by_class": {c: row[0] for c, row in classes.items()}}
-    for key in ("matmul_bf16", "matmul_fp32"):
-        for r in m[key]:
-            rate_ = model.flop_rate if key == "matmul_bf16" else model.fp32_rate
-            predicted = max(hw.kernel_floor, r["flops"] / rate_)
-            record["matmuls"].append({**r, "predicted": predicted, "error": predicted / r["seconds"] - 1})
+    record["matmuls"] = matmuls_predicted(m["matmul_bf16"] + m["matmul_fp32"], hw)
     record["attention"] = [{**r, "fraction": r["flops"] / r["seconds"] / hw.peak_bf16_flops} for r in m["attention"]]
     for r in m["elementwise"]:
         predicted = max(hw.kernel_floor, r["bytes"] / model.byte_rate)

@@ -2,6 +2,7 @@
 profile that plan accepts (gloo on this machine's CPU)."""
 import dataclasses
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from model import preset
 from playground import Layout, RunConfig
 from playground import training
 from playground.calibrate import (PROGRAM_ROUNDS, PROGRAM_STEPS, PROGRAM_WARMUP, attention_shapes, coefficients, cost_op,
-                                  MeasurementError, fit_alpha_beta, fit_attention, gemm_shapes, issued, measure_program, memory_bound,
+                                  MeasurementError, fit_alpha_beta, fit_attention, fit_matmuls, gemm_shapes, issued, measure_program, memory_bound,
                                   narrow, op_class, predicted_by_op, _attention_timing, _one_layer_line, program_floor, program_floors, program_run, region_calls)
 from playground.cli import main
 from playground.planning import plan
@@ -37,14 +38,41 @@ def test_alpha_beta_fit_recovers_the_link_it_was_made_from():
 def test_the_measured_shapes_and_classes():
     cfg = preset("1b")
     shapes = gemm_shapes(cfg, 8192)
-    assert len(shapes) == 15 and (8192, cfg.d_model, cfg.vocab_size) in shapes
+    assert len(shapes) == 15 and (8192, cfg.d_model, cfg.vocab_size, 1) in shapes
     d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
     block_weights = (d + 2 * kv) * d + d * d + 2 * cfg.d_ff * d + d * cfg.d_ff
-    assert sum(2 * m * k * n for m, k, n in shapes[:12]) == 3 * 2 * 8192 * block_weights  # forward + 2 backward
+    assert sum(2 * m * k * n for m, k, n, _ in shapes[:12]) == 3 * 2 * 8192 * block_weights  # forward + 2 backward
+    assert [c for *_, c in shapes] == [cfg.n_layers] * 12 + [1] * 3  # (a block's run once per layer)
     assert [op_class(n) for n in ("aten::mm", "addmm", "_to_copy", "aten::copy_",
                                   "_scaled_dot_product_cudnn_attention_backward", "mul")] == \
         ["matmul", "matmul", "copy", "copy", "attention", "elementwise"]
     assert op_class("aten::_grouped_mm") == "matmul"  # (a MoE layer's experts: a GEMM, not memory traffic)
+
+
+def test_the_matmul_fit_gives_a_step_its_measured_gemm_time():
+    """GEMMs timed at uneven rates (the head's faster than the block's, as on an H200) and in
+    tiles that waste part of a wave: priced as the compute model prices them, at the fitted
+    fraction and in whole tiles, a step's GEMMs (a block's once per layer) take the time they
+    were measured at, in bf16 and in float32; one mean over the shapes would not."""
+    cfg, hw = preset("1b"), PROFILES["a100-80gb"]  # (108 SMs and cuBLAS's tiles)
+    assert hw.sm_count and hw.matmul_tiles
+    rng = random.Random(5)
+    bf16, fp32 = [], []
+    for m, k, n, per_step in gemm_shapes(cfg, 8192):
+        flops, eff = 2 * m * k * n, (0.82 if per_step == 1 else rng.uniform(0.6, 0.8))
+        bf16.append({"m": m, "k": k, "n": n, "flops": flops, "per_step": per_step,
+                     "seconds": flops * hw.wave_quantization(m, n) / (hw.peak_bf16_flops * eff)})
+        fp32.append({**bf16[-1], "seconds": flops / (hw.fp32_flops * eff * 0.9)})
+    fraction, fp32_flops = fit_matmuls(bf16, fp32, hw)
+
+    def step(rows, priced):
+        return sum(r["per_step"] * priced(r) for r in rows)
+    assert step(bf16, lambda r: r["flops"] * hw.wave_quantization(r["m"], r["n"]) / (hw.peak_bf16_flops * fraction)) \
+        == pytest.approx(step(bf16, lambda r: r["seconds"]), rel=1e-12)
+    assert step(fp32, lambda r: r["flops"] / (fp32_flops * fraction)) == \
+        pytest.approx(step(fp32, lambda r: r["seconds"]), rel=1e-12)
+    once = sum(r["flops"] for r in bf16) / sum(r["seconds"] for r in bf16) / hw.peak_bf16_flops
+    assert once > fraction * 1.01  # (the head, weighted as one block, lifts the mean)
 
 
 def test_the_hbm_rate_is_fitted_on_the_memory_bound_classes_less_compiled_regions():

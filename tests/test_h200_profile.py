@@ -21,7 +21,7 @@ def _profiles():
     links["calibration"].pop("two_gpu", None)
     links["calibration"].setdefault("collectives", [])
     fresh = copy.deepcopy(shipped)
-    fresh.update(name="h200-1b", kernel_floor=2.5e-5, hbm_fraction=0.7, nvlink_latency=2e-6, collective_floor=None,
+    fresh.update(name="h200-1b", matmul_fraction=0.78, kernel_floor=2.5e-5, hbm_fraction=0.7, nvlink_latency=2e-6, collective_floor=None,
                  sm_count=None, matmul_tiles=None, source="playground calibrate on 1× NVIDIA H200 (2026-12-07); "
                  "peaks, HBM bandwidth and network from h200-datasheet; NVLink not measured (one rank)")
     fresh["calibration"].update(ranks=1, device="NVIDIA H200")
@@ -37,6 +37,13 @@ def test_the_fresh_fields_and_the_two_gpu_links():
         assert out[k] == links[k], k
     assert "NVLink not measured" not in hw.source and "from playground calibrate on 2×" in hw.source
     assert out["calibration"]["ranks"] == 1 and out["calibration"]["two_gpu"]["ranks"] == 2
+    # the GEMMs refitted in the kept tiles: a step of the record's model plans them at their measured time
+    for dtype in ("bfloat16", "float32"):
+        rows = [r for r in out["calibration"]["matmuls"] if r["dtype"] == dtype]
+        assert len(rows) == 15 and {r["per_step"] for r in rows} == {1, out["calibration"]["model"]["n_layers"]}
+        assert sum(r["per_step"] * r["predicted"] for r in rows) == \
+            pytest.approx(sum(r["per_step"] * r["seconds"] for r in rows), rel=1e-9)
+    assert out["matmul_fraction"] != fresh["matmul_fraction"] and "retiled" in out["sources"]["matmul_fraction"]
     again = merged(fresh, out)  # (the profile written is the next refit's links)
     assert again["calibration"]["two_gpu"] == out["calibration"]["two_gpu"] and again["source"] == out["source"]
 
