@@ -160,18 +160,30 @@ def profiled_by_op(fn, calls: int = 3) -> dict:
 
 # -- compute -------------------------------------------------------------------------------------
 def gemm_shapes(cfg: GPTConfig, tokens: int) -> list:
-    """[(m, k, n, per_step)] of the products of one block and the head on `tokens` rows: for
-    each weight (out, in), the forward x·Wᵀ (tokens, in, out), the input gradient dY·W
-    (tokens, out, in) and the weight gradient dYᵀ·X (out, tokens, in); `per_step`, how many
-    times a step of the model runs it (a block's once per layer, the head's once)."""
-    kv = cfg.kv_heads * cfg.head_dim
-    weights = [(cfg.d_model + 2 * kv, cfg.d_model, cfg.n_layers), (cfg.d_model, cfg.d_model, cfg.n_layers),
-               (2 * cfg.d_ff, cfg.d_model, cfg.n_layers), (cfg.d_model, cfg.d_ff, cfg.n_layers),
-               (cfg.vocab_size, cfg.d_model, 1)]
-    out = []
-    for o, i, per_step in weights:
-        out += [(tokens, i, o, per_step), (tokens, o, i, per_step), (o, tokens, i, per_step)]
-    return out
+    """[(m, k, n, per_step)] of the products a step of the model runs on `tokens` rows, each
+    distinct shape once: for each linear layer's weight (out, in) on its rows, the forward
+    x·Wᵀ (rows, in, out), the input gradient dY·W (rows, out, in) and the weight gradient
+    dYᵀ·X (out, rows, in), as model/gpt.py runs them (q, k, v and o, gate, up and down each
+    its own GEMM, not fused); `per_step`, how many times a step runs the shape. A MoE layer
+    (model/moe.py): the router on every row, each routed expert's on its even share of the
+    top-k choices (the grouped GEMM timed as one expert's), the shared experts' on every row."""
+    d, L, moe = cfg.d_model, cfg.n_layers, cfg.n_moe_layers
+    weights = [(tokens, d, d, 2 * L), (tokens, cfg.kv_dim, d, 2 * L)]  # (rows, out, in, per_step): q, o; k, v
+    if L > moe:
+        weights += [(tokens, cfg.d_ff, d, 2 * (L - moe)), (tokens, d, cfg.d_ff, L - moe)]  # gate, up; down
+    if moe:
+        g, E = cfg.expert_width, cfg.n_experts
+        share = -(-tokens * cfg.top_k // E)
+        weights += [(tokens, E, d, moe), (share, g, d, 2 * E * moe), (share, d, g, E * moe)]
+        if cfg.n_shared_experts:
+            s = cfg.n_shared_experts * g
+            weights += [(tokens, s, d, 2 * moe), (tokens, d, s, moe)]
+    weights.append((tokens, cfg.vocab_size, d, 1))  # the head
+    shapes: dict = {}
+    for rows, o, i, per_step in weights:
+        for shape in ((rows, i, o), (rows, o, i), (o, rows, i)):
+            shapes[shape] = shapes.get(shape, 0) + per_step
+    return [(*shape, per_step) for shape, per_step in shapes.items()]
 
 
 def measure_matmuls(cfg, tokens, device, dtype) -> list:

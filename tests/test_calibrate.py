@@ -1,6 +1,7 @@
 """`playground calibrate`: the fits recover known constants, and the command writes a
 profile that plan accepts (gloo on this machine's CPU)."""
 import dataclasses
+import collections
 import json
 import random
 import statistics
@@ -9,12 +10,14 @@ import sys
 import types
 
 import pytest
+import torch
+import torch.utils._python_dispatch
 
 from model import preset
 from playground import Layout, RunConfig
 from playground import training
 from playground.calibrate import (PROGRAM_ROUNDS, PROGRAM_STEPS, PROGRAM_WARMUP, attention_shapes, coefficients, cost_op,
-                                  MeasurementError, fit_alpha_beta, fit_attention, fit_matmuls, gemm_shapes, issued, measure_program, memory_bound,
+                                  MeasurementError, fit_alpha_beta, fit_attention, fit_matmuls, gemm_shapes, issued, measure_program, one_layer_step, memory_bound,
                                   narrow, op_class, predicted_by_op, _attention_timing, _one_layer_line, program_floor, program_floors, program_run, region_calls)
 from playground.cli import main
 from playground.planning import plan
@@ -35,14 +38,44 @@ def test_alpha_beta_fit_recovers_the_link_it_was_made_from():
     assert c_alpha == 3 and c_beta == pytest.approx(0.75e6)
 
 
+class _Products(torch.utils._python_dispatch.TorchDispatchMode):
+    """The (m, k, n) of every aten.mm a program runs."""
+    def __init__(self):
+        super().__init__()
+        self.shapes = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._overloadpacket is torch.ops.aten.mm:
+            self.shapes[(args[0].shape[0], args[0].shape[1], args[1].shape[1])] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("overrides", [{}, {"n_kv_heads": 2, "d_ff": 72, "n_layers": 3}])
+def test_the_measured_shapes_are_the_products_the_model_runs(overrides):
+    """gemm_shapes against the model itself: a forward and backward of the GPT (on meta
+    tensors) runs each of its matrix products as often as gemm_shapes says, no fused q/k/v
+    or gate/up a step never runs; grouped-query attention's narrower k and v included."""
+    cfg = preset("small").with_(vocab_size=300, **overrides)
+    micro_batch = 3
+    tokens = micro_batch * cfg.seq_len
+    program = one_layer_step(cfg, micro_batch, "meta", layers=cfg.n_layers)
+    with _Products() as seen:
+        program()
+    assert seen.shapes == {(m, k, n): c for m, k, n, c in gemm_shapes(cfg, tokens)}
+
+
 def test_the_measured_shapes_and_classes():
     cfg = preset("1b")
     shapes = gemm_shapes(cfg, 8192)
-    assert len(shapes) == 15 and (8192, cfg.d_model, cfg.vocab_size, 1) in shapes
-    d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
-    block_weights = (d + 2 * kv) * d + d * d + 2 * cfg.d_ff * d + d * cfg.d_ff
-    assert sum(2 * m * k * n for m, k, n, _ in shapes[:12]) == 3 * 2 * 8192 * block_weights  # forward + 2 backward
-    assert [c for *_, c in shapes] == [cfg.n_layers] * 12 + [1] * 3  # (a block's run once per layer)
+    assert (8192, cfg.d_model, cfg.vocab_size, 1) in shapes and len({s[:3] for s in shapes}) == len(shapes)
+    # a step's products: three (forward, two backward) of every weight the tokens meet, the
+    # flops_per_token of the config less attention's QKᵀ and AV; so for a MoE model, whose
+    # experts each take an even share of the top-k choices, and with shared experts
+    for name in ("1b", "1b-moe", "1b-dsmoe"):
+        c = preset(name)
+        attention = 3 * c.n_layers * 4 * c.seq_len * c.d_model
+        assert sum(2 * m * k * n * per_step for m, k, n, per_step in gemm_shapes(c, 8192)) == \
+            8192 * (c.flops_per_token() - attention), name
     assert [op_class(n) for n in ("aten::mm", "addmm", "_to_copy", "aten::copy_",
                                   "_scaled_dot_product_cudnn_attention_backward", "mul")] == \
         ["matmul", "matmul", "copy", "copy", "attention", "elementwise"]

@@ -10,6 +10,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.h200_profile import KEPT, TWO_GPU, merged  # noqa: E402
+from model import GPTConfig  # noqa: E402
+from playground.calibrate import gemm_shapes  # noqa: E402
 from simulator.hardware import CALIBRATED, hardware_from_dict  # noqa: E402
 
 
@@ -25,13 +27,19 @@ def _profiles():
                  sm_count=None, matmul_tiles=None, source="playground calibrate on 1× NVIDIA H200 (2026-12-07); "
                  "peaks, HBM bandwidth and network from h200-datasheet; NVLink not measured (one rank)")
     fresh["calibration"].update(ranks=1, device="NVIDIA H200")
+    # a fresh record's GEMMs: today's shapes of its model, as a calibration before `per_step` wrote them
+    cfg = GPTConfig(**fresh["calibration"]["model"])
+    fresh["calibration"]["matmuls"] = [
+        {"m": m, "k": k, "n": n, "dtype": dtype, "flops": 2 * m * k * n, "seconds": 2 * m * k * n / rate}
+        for dtype, rate in (("bfloat16", 700e12), ("float32", 50e12))
+        for m, k, n, _ in gemm_shapes(cfg, fresh["calibration"]["micro_batch"] * cfg.seq_len)]
     return fresh, links
 
 
 def test_the_fresh_fields_and_the_two_gpu_links():
     fresh, links = _profiles()
     out = merged(fresh, links)
-    hw = hardware_from_dict(out)
+    hw, cfg = hardware_from_dict(out), GPTConfig(**out["calibration"]["model"])
     assert hw.name == "h200" and hw.kernel_floor == 2.5e-5 and hw.hbm_fraction == 0.7
     for k in (*TWO_GPU, *KEPT):
         assert out[k] == links[k], k
@@ -40,7 +48,8 @@ def test_the_fresh_fields_and_the_two_gpu_links():
     # the GEMMs refitted in the kept tiles: a step of the record's model plans them at their measured time
     for dtype in ("bfloat16", "float32"):
         rows = [r for r in out["calibration"]["matmuls"] if r["dtype"] == dtype]
-        assert len(rows) == 15 and {r["per_step"] for r in rows} == {1, out["calibration"]["model"]["n_layers"]}
+        shapes = gemm_shapes(cfg, out["calibration"]["micro_batch"] * cfg.seq_len)
+        assert [(r["m"], r["k"], r["n"], r["per_step"]) for r in rows] == shapes
         assert sum(r["per_step"] * r["predicted"] for r in rows) == \
             pytest.approx(sum(r["per_step"] * r["seconds"] for r in rows), rel=1e-9)
     assert out["matmul_fraction"] != fresh["matmul_fraction"] and "retiled" in out["sources"]["matmul_fraction"]
