@@ -18,8 +18,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from model import PRESETS, GPTConfig, preset  # noqa: E402
-from playground.calibrate import fit_matmuls, gemm_shapes, matmuls_predicted  # noqa: E402
+from model import PRESETS, preset  # noqa: E402
+from playground.calibrate import fit_matmuls, matmuls_predicted  # noqa: E402
 from simulator.hardware import hardware_from_dict  # noqa: E402
 
 TWO_GPU = ("nvlink_latency", "nvlink_bandwidth", "collective_floor")  # what one GPU cannot measure
@@ -39,17 +39,10 @@ def retiled(profile: dict) -> dict:
     in its own sm_count and matmul_tiles (calibrate.fit_matmuls: each GEMM as often as a step
     runs it, its FLOPs in whole tiles and waves), and the record's GEMMs predicted again."""
     rec = profile["calibration"]
-    cfg = GPTConfig(**rec["model"])
-    shapes = gemm_shapes(cfg, rec["micro_batch"] * cfg.seq_len)
-    by_dtype = {}
-    for dtype in ("bfloat16", "float32"):
-        rows = [r for r in rec["matmuls"] if r["dtype"] == dtype]
-        if all("per_step" in r for r in rows):  # (a record timed at other shapes than today's keeps its own counts)
-            by_dtype[dtype] = rows
-            continue
-        if [(r["m"], r["k"], r["n"]) for r in rows] != [s[:3] for s in shapes]:
-            raise SystemExit(f"h200_profile: the record's {dtype} GEMMs are not its model's {len(shapes)} shapes")
-        by_dtype[dtype] = [{**r, "per_step": s[3]} for r, s in zip(rows, shapes)]
+    by_dtype = {dtype: [r for r in rec["matmuls"] if r["dtype"] == dtype] for dtype in ("bfloat16", "float32")}
+    if not all("per_step" in r for rows in by_dtype.values() for r in rows):
+        raise SystemExit("h200_profile: the record's GEMMs say not how often a step runs them (per_step): "
+                         "calibrate again with this playground")
     fraction, fp32 = fit_matmuls(by_dtype["bfloat16"], by_dtype["float32"], hardware_from_dict(profile))
     out = {**profile, "matmul_fraction": fraction, "fp32_flops": fp32}
     out["calibration"] = {**rec, "matmuls": matmuls_predicted(by_dtype["bfloat16"] + by_dtype["float32"],

@@ -1,7 +1,7 @@
 """`playground calibrate`: the fits recover known constants, and the command writes a
 profile that plan accepts (gloo on this machine's CPU)."""
-import dataclasses
 import collections
+import dataclasses
 import json
 import random
 import statistics

@@ -27,12 +27,13 @@ def _profiles():
                  sm_count=None, matmul_tiles=None, source="playground calibrate on 1× NVIDIA H200 (2026-12-07); "
                  "peaks, HBM bandwidth and network from h200-datasheet; NVLink not measured (one rank)")
     fresh["calibration"].update(ranks=1, device="NVIDIA H200")
-    # a fresh record's GEMMs: today's shapes of its model, as a calibration before `per_step` wrote them
+    # a fresh record's GEMMs: the products a step of its model runs, as calibrate records them
     cfg = GPTConfig(**fresh["calibration"]["model"])
     fresh["calibration"]["matmuls"] = [
-        {"m": m, "k": k, "n": n, "dtype": dtype, "flops": 2 * m * k * n, "seconds": 2 * m * k * n / rate}
+        {"m": m, "k": k, "n": n, "dtype": dtype, "flops": 2 * m * k * n, "per_step": per_step,
+         "seconds": 2 * m * k * n / rate}
         for dtype, rate in (("bfloat16", 700e12), ("float32", 50e12))
-        for m, k, n, _ in gemm_shapes(cfg, fresh["calibration"]["micro_batch"] * cfg.seq_len)]
+        for m, k, n, per_step in gemm_shapes(cfg, fresh["calibration"]["micro_batch"] * cfg.seq_len)]
     return fresh, links
 
 
